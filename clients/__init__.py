@@ -1,0 +1,1 @@
+"""clients package (filled in by later issues)."""

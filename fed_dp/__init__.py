@@ -1,0 +1,15 @@
+"""fed_dp: the framework-agnostic core of user-level DP federated training (no Flower imports).
+
+Modules follow ALGORITHMS.md:
+    config             PrivacyConfig — one frozen object for sampler, noise and accounting
+    flat               ParamLayout — a model update as one float32 vector and back
+    clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
+    strategy           BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
+    noise              privatizers: streaming independent / BandMF Gaussian noise
+    aggregation        the DP query: noisy sum over the fixed denominator B
+    sampling           user samplers, each with its dp_accounting event
+    accounting         ε with dp_accounting, calibration of σ, per-round ledger with budget
+    adaptive_clipping  quantile-tracking clip norm with its noise split
+"""
+
+__version__ = "0.1.0"

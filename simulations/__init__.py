@@ -1,0 +1,1 @@
+"""simulations package (filled in by later issues)."""
