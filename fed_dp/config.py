@@ -1,0 +1,242 @@
+"""Frozen, validated configuration of the privacy mechanism.
+
+One :class:`PrivacyConfig` drives the user sampler, the noise (privatizer) and the accounting event, so
+the ε that is reported is the ε of what ran (ALGORITHMS.md §4): ``make_sampler(config)``,
+``make_privatizer(config, ...)`` and ``dp_event(config, rounds)`` all read the same object, and
+combinations that no accounting covers are rejected here, before anything runs.
+
+Notation (README, ALGORITHMS.md): N = ``num_users``, B = ``expected_cohort`` (the fixed denominator),
+T = ``rounds``, σ = ``noise_multiplier``, ζ = ``clip_norm``, b = ``bands``, k = ``max_participations``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+SAMPLERS = ("poisson", "without-replacement", "all", "cyclic-poisson", "min-sep")
+NOISES = ("independent", "bandmf")
+ACCOUNTANTS = ("pld", "rdp")
+WORKLOADS = ("prefix-sum", "momentum")
+
+#: Samplers whose participation pattern has a minimum separation, as BandMF needs (ALGORITHMS §2, §4).
+SEPARATED_SAMPLERS = ("cyclic-poisson", "min-sep")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """The user-level DP mechanism of one training run (ALGORITHMS.md §1, §2, §4).
+
+    Fields:
+        num_users: N, users in the population (user ids are ``0 .. N-1``).
+        expected_cohort: B, expected users per round; the fixed denominator of the average.
+        rounds: T, server rounds.
+        noise_multiplier: σ; the noise std on the sum of clipped updates is σ·ζ (times the row norm of
+            C⁻¹ for BandMF). Must be > 0: a run without noise is not private.
+        clip_norm: ζ, L2 bound on one user's whole contribution.
+        delta: δ of the reported (ε, δ); conventionally below 1/N.
+        sampler: ``poisson`` (rate q = B/N), ``without-replacement`` (exactly B of N), ``all``
+            (every user every round; B must equal N), ``cyclic-poisson`` (users hashed into b groups,
+            round t samples group t mod b at rate q_b = B·b/N), ``min-sep`` (deterministic: users split
+            into m = N // B fixed groups visited in turn, participations at least m rounds apart).
+        noise: ``independent`` Gaussian (C = I) or ``bandmf`` (banded matrix factorization).
+        bands: b, bands of C for BandMF; also the number of groups of ``cyclic-poisson``. Must be 1 for
+            the samplers without separation.
+        max_participations: k for ``min-sep``; defaults to ⌈T/m⌉, the most a user can participate. A
+            value below that is refused (it would under-count); a larger one is accepted (conservative).
+        accountant: ``pld`` (default, tighter) or ``rdp``. ``without-replacement`` needs ``rdp``.
+        epsilon_budget: optional ε cap; a round that would exceed it is refused.
+        workload: BandMF strategy workload, ``prefix-sum`` or ``momentum``.
+        momentum: μ of the momentum workload, in [0, 1).
+    """
+
+    num_users: int
+    expected_cohort: int
+    rounds: int
+    noise_multiplier: float
+    delta: float
+    clip_norm: float = 1.0
+    sampler: str = "poisson"
+    noise: str = "independent"
+    bands: int = 1
+    max_participations: int | None = None
+    accountant: str = "pld"
+    epsilon_budget: float | None = None
+    workload: str = "prefix-sum"
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._validate_sizes()
+        self._validate_privacy_parameters()
+        self._validate_choices()
+        self._validate_sampler_combination()
+
+    # --- validation, one concern per method -------------------------------------------------------
+    def _validate_sizes(self) -> None:
+        for name in ("num_users", "expected_cohort", "rounds", "bands"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        _require(
+            self.expected_cohort <= self.num_users,
+            f"expected_cohort (B = {self.expected_cohort}) must be <= num_users (N = {self.num_users})",
+        )
+
+    def _validate_privacy_parameters(self) -> None:
+        _require(
+            _is_real(self.noise_multiplier) and self.noise_multiplier > 0,
+            f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier!r} "
+            "(a run without noise is not private; use calibrate to find σ for a target ε)",
+        )
+        _require(
+            _is_real(self.clip_norm) and self.clip_norm > 0,
+            f"clip_norm must be a finite number > 0, got {self.clip_norm!r}",
+        )
+        _require(
+            _is_real(self.delta) and 0 < self.delta < 1,
+            f"delta must be in (0, 1), got {self.delta!r} (typically below 1/num_users)",
+        )
+        if self.epsilon_budget is not None:
+            _require(
+                _is_real(self.epsilon_budget) and self.epsilon_budget > 0,
+                f"epsilon_budget must be a finite number > 0 or None, got {self.epsilon_budget!r}",
+            )
+        _require(
+            _is_real(self.momentum) and 0 <= self.momentum < 1,
+            f"momentum must be in [0, 1), got {self.momentum!r}",
+        )
+
+    def _validate_choices(self) -> None:
+        for name, allowed in (
+            ("sampler", SAMPLERS),
+            ("noise", NOISES),
+            ("accountant", ACCOUNTANTS),
+            ("workload", WORKLOADS),
+        ):
+            value = getattr(self, name)
+            _require(value in allowed, f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+    def _validate_sampler_combination(self) -> None:
+        sampler, noise = self.sampler, self.noise
+        if noise == "bandmf":
+            _require(
+                sampler in SEPARATED_SAMPLERS,
+                f"noise 'bandmf' needs a sampler with minimum separation between a user's "
+                f"participations (cyclic-poisson or min-sep); sampler {sampler!r} has none, so "
+                "BandMF's correlated noise would have no valid accounting (ALGORITHMS §2, §4)",
+            )
+            _require(
+                self.bands <= self.rounds,
+                f"bands (b = {self.bands}) must be <= rounds (T = {self.rounds}) for BandMF",
+            )
+        if sampler not in SEPARATED_SAMPLERS:
+            _require(
+                self.bands == 1,
+                f"bands = {self.bands} has no meaning for sampler {sampler!r} with independent noise; "
+                "set bands = 1, or use noise 'bandmf' with sampler cyclic-poisson or min-sep",
+            )
+        if self.noise != "bandmf" and self.workload != "prefix-sum":
+            raise ValueError("workload only applies to noise 'bandmf'; leave it at 'prefix-sum'")
+        if self.workload == "prefix-sum" and self.momentum != 0:
+            raise ValueError("momentum > 0 requires workload 'momentum'")
+        if sampler != "min-sep":
+            _require(
+                self.max_participations is None,
+                f"max_participations only applies to sampler 'min-sep' (got sampler {sampler!r}); "
+                "the other samplers' accounting already covers every participation",
+            )
+        if sampler == "all":
+            _require(
+                self.expected_cohort == self.num_users,
+                f"sampler 'all' uses every user every round, so expected_cohort must equal num_users "
+                f"({self.num_users}); got {self.expected_cohort}",
+            )
+        if sampler == "without-replacement":
+            _require(
+                self.accountant == "rdp",
+                "sampler 'without-replacement' is accounted with dp_accounting's RDP accountant only "
+                "(replace-one adjacency); set accountant 'rdp'",
+            )
+        if sampler == "cyclic-poisson":
+            _require(
+                self.expected_cohort * self.bands <= self.num_users,
+                f"cyclic-poisson samples one of b = {self.bands} groups per round at rate "
+                f"q_b = B·b/N = {self.expected_cohort * self.bands / self.num_users:.4g} > 1; "
+                "lower expected_cohort or bands, or add users",
+            )
+        if sampler == "min-sep":
+            separation = self.num_users // self.expected_cohort
+            _require(
+                separation >= self.bands,
+                f"min-sep: users are split into m = N // B = {separation} groups, so a user's "
+                f"participations are {separation} rounds apart, which is < bands (b = {self.bands}); "
+                "the BandMF sensitivity bound needs min-separation >= b. Lower B or b, or add users",
+            )
+            needed = math.ceil(self.rounds / separation)
+            if self.max_participations is not None:
+                _require(
+                    _is_int(self.max_participations) and self.max_participations >= needed,
+                    f"max_participations = {self.max_participations!r} is below the {needed} "
+                    f"participations that {self.rounds} rounds with separation {separation} give a "
+                    "user; it would under-count the privacy loss",
+                )
+
+    # --- derived quantities --------------------------------------------------------------------------
+    @property
+    def sampling_rate(self) -> float:
+        """Probability that a given user is in the cohort of a round in which it can be sampled.
+
+        q = B/N for poisson and without-replacement, q_b = B·b/N for cyclic-poisson (a user's group
+        is sampled one round in b), 1 for all, and 1 for min-sep in its group's rounds.
+        """
+        if self.sampler == "cyclic-poisson":
+            return self.expected_cohort * self.bands / self.num_users
+        if self.sampler in ("all", "min-sep"):
+            return 1.0
+        return self.expected_cohort / self.num_users
+
+    @property
+    def min_separation(self) -> int:
+        """Fewest rounds between two participations of one user (1 when there is no guarantee)."""
+        if self.sampler == "cyclic-poisson":
+            return self.bands
+        if self.sampler == "min-sep":
+            return self.num_users // self.expected_cohort
+        return 1
+
+    def participations(self, rounds: int | None = None) -> int:
+        """Most participations of one user in the first ``rounds`` rounds (default T).
+
+        For min-sep after the full T rounds this is ``max_participations`` when it was given.
+        """
+        rounds = self.rounds if rounds is None else rounds
+        if self.sampler in ("cyclic-poisson", "min-sep"):
+            needed = math.ceil(rounds / self.min_separation)
+            if self.sampler == "min-sep" and self.max_participations is not None and rounds == self.rounds:
+                return self.max_participations
+            return needed
+        return rounds
+
+    def replace(self, **changes: Any) -> "PrivacyConfig":
+        """A copy with some fields changed, validated again."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        _require(not unknown, f"unknown PrivacyConfig field(s): {', '.join(sorted(unknown))}")
+        values.update(changes)
+        return PrivacyConfig(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
