@@ -1,0 +1,44 @@
+"""The DP query of one round (ALGORITHMS §1): noisy sum over the FIXED denominator B.
+
+    Δ̃_t = (Σ_{i∈S_t} u_i + w_t) / B ,    g̃_t = −Δ̃_t
+
+B is the expected cohort, a constant of the configuration. Dividing by the realized |S_t|, or weighting
+users by their example counts, would make one user's influence unbounded and void the accounting.
+Dropped users contribute zero to Σ_t; the round still releases with the same noise. Scale-then-privatize
+(§3.6) divides additionally by the broadcast scale s_t after the noise is added.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fed_dp.noise import Privatizer
+
+
+def _check_cohort(expected_cohort: int) -> None:
+    if not (isinstance(expected_cohort, int) and expected_cohort >= 1):
+        raise ValueError(f"expected_cohort (B) must be an integer >= 1, got {expected_cohort!r}")
+
+
+def private_average(
+    total: torch.Tensor,
+    privatizer: Privatizer,
+    expected_cohort: int,
+    *,
+    noise_std: float | None = None,
+) -> torch.Tensor:
+    """Δ̃_t = (Σ_t + w_t)/B. ``total`` is the unweighted sum of the clipped contributions received.
+
+    The per-coordinate noise std of the result is σζ·‖row t of C⁻¹‖/B (σζ/B for independent noise).
+    """
+    _check_cohort(expected_cohort)
+    return privatizer.privatize(total, noise_std) / expected_cohort
+
+
+def unscale(average: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Scale-then-privatize: map the noisy average from the scaled space back, Δ̃_t / s_t (§3.6)."""
+    if scale.shape != average.shape:
+        raise ValueError(f"scale has shape {tuple(scale.shape)}, average has {tuple(average.shape)}")
+    if not bool((scale > 0).all()) or not bool(torch.isfinite(scale).all()):
+        raise ValueError("scale must be positive and finite in every coordinate")
+    return average / scale.to(average.device, average.dtype)
