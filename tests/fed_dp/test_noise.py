@@ -19,6 +19,7 @@ from fed_dp.noise import Privatizer, make_privatizer
 from fed_dp.strategy import banded_from_dense, toeplitz_strategy
 
 SIGMA, CLIP, COHORT = 1.3, 0.7, 25
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _zero_round_noise(privatizer: Privatizer, dim: int) -> torch.Tensor:
@@ -113,12 +114,15 @@ def test_streaming_bandmf_equals_dense_inverse_times_z(name):
     torch.testing.assert_close(streamed, dense, rtol=1e-12, atol=1e-12)
 
 
-def test_streaming_bandmf_float32_matches_dense_to_single_precision():
+@pytest.mark.parametrize("device", DEVICES)
+def test_streaming_bandmf_float32_matches_dense_to_single_precision(device):
     strategy = STRATEGIES["toeplitz"]()
-    privatizer = Privatizer(strategy, noise_std=2.0, dim=1000, seed=4)
-    streamed = torch.stack([privatizer.next_noise() for _ in range(strategy.rounds)]).double()
-    generator = torch.Generator().manual_seed(4)
-    z = torch.stack([torch.randn(1000, generator=generator) for _ in range(strategy.rounds)]).double()
+    privatizer = Privatizer(strategy, noise_std=2.0, dim=1000, seed=4, device=device)
+    streamed = torch.stack([privatizer.next_noise() for _ in range(strategy.rounds)]).double().cpu()
+    generator = torch.Generator(device=device).manual_seed(4)
+    z = torch.stack(
+        [torch.randn(1000, generator=generator, device=device) for _ in range(strategy.rounds)]
+    ).double().cpu()
     dense = 2.0 * torch.linalg.solve_triangular(strategy.dense(), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-5, atol=1e-5)
 
