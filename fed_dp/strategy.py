@@ -571,18 +571,22 @@ def _write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
         raise
 
 
+def _cache_header(rounds: int, bands: int, momentum: float) -> dict[str, Any]:
+    """The fields that identify a cached strategy: format, version and the (T, b, workload) key."""
+    return {
+        "format": _CACHE_FORMAT,
+        "version": _CACHE_VERSION,
+        "rounds": rounds,
+        "bands": bands,
+        "workload": "prefix-sum" if momentum == 0.0 else "momentum",
+        "momentum": momentum,
+    }
+
+
 def _read_cached(path: Path, rounds: int, bands: int, momentum: float) -> BandedStrategy:
     try:
         payload = json.loads(path.read_text())
-        expected = {
-            "format": _CACHE_FORMAT,
-            "version": _CACHE_VERSION,
-            "rounds": rounds,
-            "bands": bands,
-            "workload": "prefix-sum" if momentum == 0.0 else "momentum",
-            "momentum": momentum,
-        }
-        for key, value in expected.items():
+        for key, value in _cache_header(rounds, bands, momentum).items():
             if payload.get(key) != value:
                 raise ValueError(f"field {key!r} is {payload.get(key)!r}, expected {value!r}")
         coefs = payload["coefs"]
@@ -630,16 +634,6 @@ def optimize_toeplitz(
     coefs, loss = _minimize_toeplitz_loss(rounds, bands, momentum, max_iter)
     strategy = toeplitz_strategy(coefs, rounds)
     _write_json_atomically(
-        path,
-        {
-            "format": _CACHE_FORMAT,
-            "version": _CACHE_VERSION,
-            "rounds": rounds,
-            "bands": bands,
-            "workload": "prefix-sum" if momentum == 0.0 else "momentum",
-            "momentum": momentum,
-            "coefs": coefs.tolist(),
-            "loss": loss,
-        },
+        path, {**_cache_header(rounds, bands, momentum), "coefs": coefs.tolist(), "loss": loss}
     )
     return strategy
