@@ -1,0 +1,259 @@
+"""User samplers and the dp_accounting event of each (ALGORITHMS.md §4).
+
+Every sampler is built from a :class:`~fed_dp.config.PrivacyConfig` and builds its own accounting event
+from that same config, so the sampler that picks the cohort and the event that accounts for it cannot
+disagree. Neighbouring datasets differ by one user's entire data (user-level DP).
+
+| sampler | adjacency | event after t rounds |
+|---|---|---|
+| poisson (q = B/N) | add/remove | SelfComposed(PoissonSampled(q, Gaussian(σ)), t) |
+| without-replacement | replace-one | SelfComposed(SampledWithoutReplacement(N, B, Gaussian(σ/2)), t) |
+| all | add/remove | SelfComposed(Gaussian(σ), t) |
+| cyclic-poisson (q_b = B·b/N) | add/remove | SelfComposed(PoissonSampled(q_b, Gaussian(σ)), ⌈t/b⌉) |
+| min-sep (k participations) | add/remove | Gaussian(σ/√k) |
+
+Replacing one user's clipped contribution moves the sum by up to 2ζ, and dp_accounting defines the noise
+multiplier as noise std over the L2 sensitivity of the chosen relation, hence σ/2 for replace-one.
+The cyclic-poisson event is amplified BandMF (Choquette-Choo et al. 2023, Thm. 4); min-sep is its
+deterministic counterpart (sensitivity √k for column-normalized C with min-separation ≥ b, §2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from typing import Any, ClassVar
+
+import dp_accounting
+import torch
+
+from fed_dp.config import PrivacyConfig
+
+NeighboringRelation = dp_accounting.NeighboringRelation
+
+
+def entropy_seed() -> int:
+    """A 63-bit seed from the operating system's entropy source."""
+    return secrets.randbits(63)
+
+
+def stable_group(user_id: int | str, groups: int) -> int:
+    """Group of a user for cyclic sampling: BLAKE2b of the id's decimal/str form, modulo ``groups``.
+
+    Stable across processes, machines and Python versions (unlike ``hash``).
+    """
+    digest = hashlib.blake2b(str(user_id).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % groups
+
+
+class Sampler:
+    """Base class: draws the cohort of each round with an explicit ``torch.Generator``.
+
+    State (``state_dict``): the seed, the number of rounds sampled so far and the generator state, so
+    a restored sampler continues with exactly the cohorts the original would have drawn.
+    """
+
+    name: ClassVar[str]
+    neighboring_relation: ClassVar[NeighboringRelation] = NeighboringRelation.ADD_OR_REMOVE_ONE
+
+    def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
+        if config.sampler != self.name:
+            raise ValueError(f"{type(self).__name__} needs sampler {self.name!r}, config has {config.sampler!r}")
+        self.config = config
+        self.seed = entropy_seed() if seed is None else int(seed)
+        self.seeded_explicitly = seed is not None
+        self.rounds_sampled = 0
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    # --- accounting --------------------------------------------------------------------------------
+    @classmethod
+    def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+        """The dp_accounting event of ``rounds`` rounds of this sampler with σ = config.noise_multiplier."""
+        raise NotImplementedError
+
+    # --- sampling ----------------------------------------------------------------------------------
+    def _cohort(self, round_index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def next_cohort(self) -> torch.Tensor:
+        """Sorted int64 user ids of the next round's cohort (round index = ``rounds_sampled``)."""
+        if self.rounds_sampled >= self.config.rounds:
+            raise ValueError(
+                f"all {self.config.rounds} configured rounds have been sampled; the accounting covers "
+                "no more. Plan a longer run (rounds) instead of sampling past it"
+            )
+        cohort = self._cohort(self.rounds_sampled)
+        self.rounds_sampled += 1
+        return cohort
+
+    # --- checkpointing -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sampler": self.name,
+            "seed": self.seed,
+            "seeded_explicitly": self.seeded_explicitly,
+            "rounds_sampled": self.rounds_sampled,
+            "generator_state": self._generator.get_state().clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sampler") != self.name:
+            raise ValueError(f"sampler state is for {state.get('sampler')!r}, this sampler is {self.name!r}")
+        if int(state["seed"]) != self.seed:
+            raise ValueError("sampler state has a different seed; build the sampler with the checkpoint's seed")
+        self.rounds_sampled = int(state["rounds_sampled"])
+        self.seeded_explicitly = bool(state["seeded_explicitly"])
+        self._generator.set_state(state["generator_state"])
+
+
+def _poisson_subset(candidates: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Each candidate independently with probability ``rate``."""
+    keep = torch.rand(candidates.numel(), generator=generator, dtype=torch.float64) < rate
+    return candidates[keep]
+
+
+class PoissonSampler(Sampler):
+    """Every user independently with probability q = B/N each round (add/remove adjacency)."""
+
+    name = "poisson"
+
+    @classmethod
+    def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(
+                config.sampling_rate, dp_accounting.GaussianDpEvent(config.noise_multiplier)
+            ),
+            rounds,
+        )
+
+    def _cohort(self, round_index: int) -> torch.Tensor:
+        users = torch.arange(self.config.num_users, dtype=torch.int64)
+        return _poisson_subset(users, self.config.sampling_rate, self._generator)
+
+
+class WithoutReplacementSampler(Sampler):
+    """Exactly B of the N users, uniformly without replacement (replace-one adjacency, RDP only)."""
+
+    name = "without-replacement"
+    neighboring_relation = NeighboringRelation.REPLACE_ONE
+
+    @classmethod
+    def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+        # Sensitivity of the sum under replace-one is 2ζ: the multiplier relative to it is σ/2.
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(
+                config.num_users,
+                config.expected_cohort,
+                dp_accounting.GaussianDpEvent(config.noise_multiplier / 2),
+            ),
+            rounds,
+        )
+
+    def _cohort(self, round_index: int) -> torch.Tensor:
+        perm = torch.randperm(self.config.num_users, generator=self._generator)
+        return torch.sort(perm[: self.config.expected_cohort]).values
+
+
+class AllUsersSampler(Sampler):
+    """Every user every round (cross-silo); B = N."""
+
+    name = "all"
+
+    @classmethod
+    def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.GaussianDpEvent(config.noise_multiplier), rounds
+        )
+
+    def _cohort(self, round_index: int) -> torch.Tensor:
+        return torch.arange(self.config.num_users, dtype=torch.int64)
+
+
+class CyclicPoissonSampler(Sampler):
+    """Users hashed into b groups (``stable_group``); round t Poisson-samples group t mod b at q_b = B·b/N.
+
+    A user's participations are then at least b rounds apart, as BandMF needs, and amplification by
+    sampling still applies (Choquette-Choo et al. 2023, Thm. 4): a user can be sampled in ⌈t/b⌉ of the
+    first t rounds.
+    """
+
+    name = "cyclic-poisson"
+
+    def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
+        super().__init__(config, seed)
+        groups = torch.tensor(
+            [stable_group(u, config.bands) for u in range(config.num_users)], dtype=torch.int64
+        )
+        users = torch.arange(config.num_users, dtype=torch.int64)
+        self.groups = [users[groups == g] for g in range(config.bands)]
+
+    @classmethod
+    def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(
+                config.sampling_rate, dp_accounting.GaussianDpEvent(config.noise_multiplier)
+            ),
+            math.ceil(rounds / config.bands),
+        )
+
+    def _cohort(self, round_index: int) -> torch.Tensor:
+        members = self.groups[round_index % self.config.bands]
+        return _poisson_subset(members, self.config.sampling_rate, self._generator)
+
+
+class MinSepSampler(Sampler):
+    """Deterministic participation: users split once into m = N // B fixed groups, visited in turn.
+
+    The split is a seeded random permutation cut into m near-equal groups; round t takes group t mod m,
+    so a user participates at most k = ⌈T/m⌉ times, m ≥ b rounds apart. With column-normalized C the
+    sensitivity of k participations is √k (ALGORITHMS §2), accounted as Gaussian(σ/√k).
+
+    The schedule is fixed in advance from the public N, B and seed; the guarantee is for one user's data
+    being present or zeroed out within that schedule (the usual adjacency of deterministic-participation
+    BandMF), which gives the same ε as add/remove in dp_accounting. Groups hold ⌊N/m⌋ or ⌈N/m⌉ users;
+    the average still divides by the configured B (fixed denominator).
+    """
+
+    name = "min-sep"
+
+    def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
+        super().__init__(config, seed)
+        perm = torch.randperm(config.num_users, generator=torch.Generator().manual_seed(self.seed))
+        self.groups = [torch.sort(g).values for g in torch.tensor_split(perm, config.min_separation)]
+
+    @classmethod
+    def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+        k = config.participations(rounds)
+        return dp_accounting.GaussianDpEvent(config.noise_multiplier / math.sqrt(k))
+
+    def _cohort(self, round_index: int) -> torch.Tensor:
+        return self.groups[round_index % len(self.groups)].clone()
+
+
+SAMPLERS: dict[str, type[Sampler]] = {
+    cls.name: cls
+    for cls in (PoissonSampler, WithoutReplacementSampler, AllUsersSampler, CyclicPoissonSampler, MinSepSampler)
+}
+
+
+def sampler_class(config: PrivacyConfig) -> type[Sampler]:
+    return SAMPLERS[config.sampler]
+
+
+def make_sampler(config: PrivacyConfig, seed: int | None = None) -> Sampler:
+    """The sampler named by ``config.sampler`` (seeded from OS entropy unless ``seed`` is given)."""
+    return sampler_class(config)(config, seed)
+
+
+def dp_event(config: PrivacyConfig, rounds: int | None = None) -> dp_accounting.DpEvent:
+    """The accounting event of ``rounds`` rounds (default: the planned T) of ``config``'s mechanism."""
+    rounds = config.rounds if rounds is None else rounds
+    if not (isinstance(rounds, int) and rounds >= 1):
+        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    return sampler_class(config).dp_event(config, rounds)
+
+
+def neighboring_relation(config: PrivacyConfig) -> NeighboringRelation:
+    """The adjacency under which ``config``'s sampler is accounted."""
+    return sampler_class(config).neighboring_relation

@@ -1,0 +1,273 @@
+"""Tests of fed_dp.accounting: user-level ε, calibration of σ, and the per-round privacy ledger.
+
+Every expected ε is computed here with dp_accounting on an event built by hand (ALGORITHMS.md §4), or
+is an independent literature figure (ALGORITHMS.md §5). PLD evaluations are slow at small σ, so the PLD
+cases use moderate σ and few rounds; RDP is used where the property does not depend on the accountant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import pytest
+from dp_accounting import pld, rdp
+
+from fed_dp.accounting import (
+    BudgetExceededError,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    epsilon,
+)
+from fed_dp.config import PrivacyConfig
+
+ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+REL = 1e-9
+
+
+def direct_epsilon(event, accountant: str, delta: float, relation=ADD_REMOVE) -> float:
+    acc = pld.PLDAccountant(neighboring_relation=relation) if accountant == "pld" else rdp.RdpAccountant(
+        neighboring_relation=relation)
+    acc.compose(event)
+    return acc.get_epsilon(delta)
+
+
+def poisson_event(q: float, sigma: float, rounds: int):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
+
+
+# ------------------------------------------------------------------------------------------------
+# ALGORITHMS §5 reference figures (independent of this code)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accountant, expected", [("rdp", 5.63), ("pld", 5.19)])
+def test_reference_figure_poisson(accountant, expected):
+    cfg = PrivacyConfig(num_users=10_000, expected_cohort=100, rounds=10_000, noise_multiplier=1.1,
+                        delta=1e-5, accountant=accountant)
+    assert cfg.sampling_rate == 0.01
+    assert round(epsilon(cfg), 2) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Calibration
+# ------------------------------------------------------------------------------------------------
+
+
+def _hand_event(cfg: PrivacyConfig, sigma: float):
+    """The §4 event of cfg's full run at multiplier ``sigma``, written out per sampler."""
+    T, N, B, b = cfg.rounds, cfg.num_users, cfg.expected_cohort, cfg.bands
+    if cfg.sampler == "poisson":
+        return poisson_event(B / N, sigma, T)
+    if cfg.sampler == "cyclic-poisson":
+        return poisson_event(B * b / N, sigma, math.ceil(T / b))
+    if cfg.sampler == "min-sep":
+        return dp_accounting.GaussianDpEvent(sigma / math.sqrt(math.ceil(T / (N // B))))
+    raise AssertionError(cfg.sampler)
+
+
+CALIBRATION_CASES = [
+    # PLD on Poisson: σ* ≈ 1.36, so PLD is never evaluated at very small σ (which is slow).
+    pytest.param(PrivacyConfig(num_users=1000, expected_cohort=100, rounds=20, noise_multiplier=1.0,
+                               delta=1e-5), 2.0, id="poisson-pld"),
+    pytest.param(PrivacyConfig(num_users=1000, expected_cohort=10, rounds=50, noise_multiplier=1.0,
+                               delta=1e-5, accountant="rdp"), 1.0, id="poisson-rdp"),
+    pytest.param(PrivacyConfig(num_users=1000, expected_cohort=100, rounds=45, noise_multiplier=1.0,
+                               delta=1e-5, sampler="min-sep", noise="bandmf", bands=3), 2.0,
+                 id="bandmf-min-sep-pld"),
+    pytest.param(PrivacyConfig(num_users=1000, expected_cohort=20, rounds=30, noise_multiplier=1.0,
+                               delta=1e-5, sampler="cyclic-poisson", noise="bandmf", bands=4,
+                               accountant="rdp"), 2.0, id="bandmf-cyclic-rdp"),
+]
+
+
+@pytest.mark.parametrize("cfg, target", CALIBRATION_CASES)
+def test_calibration_round_trip_is_valid_and_tight(cfg, target):
+    sigma = calibrate_noise_multiplier(cfg, target)
+    # Valid: the calibrated σ meets the target, also according to dp_accounting on the hand-built event.
+    assert epsilon(cfg.replace(noise_multiplier=sigma)) <= target
+    assert direct_epsilon(_hand_event(cfg, sigma), cfg.accountant, cfg.delta) <= target
+    # Tight: 0.1 % less noise already exceeds the target.
+    assert direct_epsilon(_hand_event(cfg, sigma * (1 - 1e-3)), cfg.accountant, cfg.delta) > target
+
+
+def test_calibration_ignores_the_config_sigma():
+    cfg = PrivacyConfig(num_users=1000, expected_cohort=10, rounds=50, noise_multiplier=1.0, delta=1e-5,
+                        accountant="rdp")
+    assert calibrate_noise_multiplier(cfg, 1.0) == pytest.approx(
+        calibrate_noise_multiplier(cfg.replace(noise_multiplier=7.0), 1.0), rel=1e-5)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_calibration_refuses_unreachable_or_meaningless_targets(accountant):
+    cfg = PrivacyConfig(num_users=1000, expected_cohort=100, rounds=20, noise_multiplier=1.0, delta=1e-5,
+                        accountant=accountant)
+    # A target so large that almost no noise reaches it: dp_accounting's own ε at σ = 0.01 is below it.
+    huge = 2 * direct_epsilon(poisson_event(0.1, 0.01, 20), "rdp", 1e-5)
+    with pytest.raises(ValueError, match="epsilon"):
+        calibrate_noise_multiplier(cfg, huge)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="epsilon"):
+            calibrate_noise_multiplier(cfg, bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ledger
+# ------------------------------------------------------------------------------------------------
+
+
+def _ledger_config(**changes):
+    base = dict(num_users=1000, expected_cohort=10, rounds=6, noise_multiplier=1.5, delta=1e-5)
+    base.update(changes)
+    return PrivacyConfig(**base)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_ledger_epsilon_equals_dp_accounting_after_each_round(accountant):
+    cfg = _ledger_config(accountant=accountant)
+    ledger = PrivacyLedger(cfg)
+    assert ledger.epsilon == 0.0 and ledger.rounds == 0
+    previous = 0.0
+    for t in range(1, cfg.rounds + 1):
+        record = ledger.record_round(cohort_size=9 + t)
+        expected = direct_epsilon(poisson_event(0.01, 1.5, t), accountant, 1e-5)
+        assert record.round == t - 1 and record.cohort_size == 9 + t
+        assert record.epsilon == pytest.approx(expected, rel=REL)
+        assert ledger.epsilon == record.epsilon
+        assert ledger.epsilon > previous  # monotone
+        previous = ledger.epsilon
+    assert ledger.rounds == cfg.rounds
+
+
+def test_ledger_without_replacement_uses_replace_one_event():
+    cfg = _ledger_config(sampler="without-replacement", accountant="rdp")
+    ledger = PrivacyLedger(cfg)
+    for t in range(1, 4):
+        ledger.record_round(10)
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(1000, 10, dp_accounting.GaussianDpEvent(0.75)), t)
+        assert ledger.epsilon == pytest.approx(direct_epsilon(event, "rdp", 1e-5, REPLACE_ONE), rel=REL)
+
+
+def test_dropped_users_do_not_change_the_ledger():
+    cfg = _ledger_config(accountant="rdp")
+    full, empty = PrivacyLedger(cfg), PrivacyLedger(cfg)
+    for _ in range(3):
+        full.record_round(10)
+        empty.record_round(0)
+    assert full.epsilon == empty.epsilon > 0
+    with pytest.raises(ValueError, match="cohort_size"):
+        full.record_round(-1)
+
+
+def test_budget_refuses_the_round_that_would_exceed_it_and_leaves_ledger_unchanged():
+    e3 = direct_epsilon(poisson_event(0.01, 1.5, 3), "rdp", 1e-5)
+    e4 = direct_epsilon(poisson_event(0.01, 1.5, 4), "rdp", 1e-5)
+    assert e3 < e4
+    cfg = _ledger_config(accountant="rdp", epsilon_budget=(e3 + e4) / 2)
+    ledger = PrivacyLedger(cfg)
+    for _ in range(3):
+        ledger.check_next_round()
+        ledger.record_round(10)
+    before = ledger.records
+    with pytest.raises(BudgetExceededError):
+        ledger.check_next_round()
+    with pytest.raises(BudgetExceededError):
+        ledger.record_round(10)
+    assert ledger.records == before and ledger.rounds == 3
+    assert ledger.epsilon == pytest.approx(e3, rel=REL)
+
+
+def test_budget_boundary_is_sharp():
+    """A budget just above ε(2) allows two rounds; one just below it already refuses the second."""
+    e2 = direct_epsilon(poisson_event(0.01, 1.5, 2), "rdp", 1e-5)
+    ledger = PrivacyLedger(_ledger_config(accountant="rdp", epsilon_budget=e2 * (1 + 1e-9)))
+    ledger.record_round(10)
+    ledger.record_round(10)
+    with pytest.raises(BudgetExceededError):
+        ledger.record_round(10)
+    ledger = PrivacyLedger(_ledger_config(accountant="rdp", epsilon_budget=e2 * (1 - 1e-9)))
+    ledger.record_round(10)
+    with pytest.raises(BudgetExceededError, match="budget"):
+        ledger.record_round(10)
+    assert ledger.rounds == 1
+
+
+def test_ledger_refuses_rounds_past_the_plan():
+    cfg = _ledger_config(accountant="rdp", rounds=3)
+    ledger = PrivacyLedger(cfg)
+    for _ in range(3):
+        ledger.record_round(10)
+    with pytest.raises(BudgetExceededError, match="planned"):
+        ledger.check_next_round()
+    with pytest.raises(BudgetExceededError):
+        ledger.record_round(10)
+    assert ledger.rounds == 3
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_ledger_json_round_trip_continues_like_uninterrupted(accountant):
+    cfg = _ledger_config(accountant=accountant, rounds=5, epsilon_budget=50.0)
+    uninterrupted = PrivacyLedger(cfg)
+    for _ in range(5):
+        uninterrupted.record_round(10)
+
+    first = PrivacyLedger(cfg)
+    for _ in range(3):
+        first.record_round(10)
+    restored = PrivacyLedger.from_dict(json.loads(json.dumps(first.to_dict())))
+    assert restored.config == cfg
+    assert restored.records == first.records
+    for _ in range(2):
+        restored.record_round(10)
+    assert restored.records == uninterrupted.records
+    with pytest.raises(BudgetExceededError):
+        restored.record_round(10)
+
+
+def test_min_sep_ledger_counts_participations_so_far():
+    # m = 1000 // 100 = 10; after t rounds a user has ⌈t/10⌉ participations.
+    cfg = PrivacyConfig(num_users=1000, expected_cohort=100, rounds=12, noise_multiplier=3.0, delta=1e-5,
+                        sampler="min-sep", accountant="rdp")
+    ledger = PrivacyLedger(cfg)
+    for t in range(1, 13):
+        ledger.record_round(100)
+        k = math.ceil(t / 10)
+        expected = direct_epsilon(dp_accounting.GaussianDpEvent(3.0 / math.sqrt(k)), "rdp", 1e-5)
+        assert ledger.epsilon == pytest.approx(expected, rel=REL), t
+
+
+# ------------------------------------------------------------------------------------------------
+# Config-level refusals
+# ------------------------------------------------------------------------------------------------
+
+
+def test_without_replacement_with_pld_is_refused():
+    with pytest.raises(ValueError, match="rdp"):
+        PrivacyConfig(num_users=100, expected_cohort=10, rounds=5, noise_multiplier=1.0, delta=1e-5,
+                      sampler="without-replacement", accountant="pld")
+    with pytest.raises(ValueError, match="rdp"):
+        PrivacyConfig(num_users=100, expected_cohort=10, rounds=5, noise_multiplier=1.0, delta=1e-5,
+                      sampler="without-replacement")  # pld is the default
+
+
+def test_restoring_a_ledger_with_a_wrong_epsilon_is_refused():
+    from fed_dp.accounting import PrivacyLedger
+    from fed_dp.config import PrivacyConfig
+
+    config = PrivacyConfig(num_users=1000, expected_cohort=10, rounds=5, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
+    ledger = PrivacyLedger(config)
+    for _ in range(3):
+        ledger.record_round(10)
+    data = ledger.to_dict()
+    assert PrivacyLedger.from_dict(data).epsilon == ledger.epsilon
+    data["records"][-1]["epsilon"] *= 0.5
+    with pytest.raises(ValueError, match="does not match"):
+        PrivacyLedger.from_dict(data)
+    data = ledger.to_dict()
+    del data["records"][1]
+    with pytest.raises(ValueError, match="consecutive"):
+        PrivacyLedger.from_dict(data)
