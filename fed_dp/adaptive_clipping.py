@@ -1,0 +1,110 @@
+"""Adaptive clipping to a target quantile of user-update norms (Andrew et al. 2021; ALGORITHMS §4).
+
+Each sampled user also reports the bit 1[‖Δ_i‖ ≤ ζ_t]. The server releases the centered bit sum
+Σ(b_i − ½) + N(0, σ_b²) (sensitivity ½ under add/remove of one user, so its noise multiplier is 2σ_b),
+forms b̃_t = (Σ(b_i − ½) + noise)/B + ½ and moves the clip norm geometrically:
+
+    ζ_{t+1} = ζ_t · exp(−η_ζ · (b̃_t − γ))
+
+To keep the privacy cost of the pair (update, bits) equal to ONE Gaussian with multiplier σ, the update
+is noised with the larger multiplier
+
+    σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2)
+
+(Gaussian compositions add in inverse variance: σ_Δ⁻² + (2σ_b)⁻² = σ⁻²). The accounting is unchanged.
+Under replace-one adjacency (sampling without replacement) both sensitivities double, so the same split
+holds relative to that adjacency.
+Independent noise only: BandMF needs the same noise scale every round, so it is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fed_dp.config import PrivacyConfig
+from fed_dp.sampling import entropy_seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveClipConfig:
+    """target_quantile γ ∈ (0, 1); learning_rate η_ζ > 0; bit_noise_std σ_b > 0 (noise std on the
+    centered bit sum; Andrew et al. suggest about B/20); initial_clip_norm ζ_0 > 0."""
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    bit_noise_std: float
+    initial_clip_norm: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_quantile < 1:
+            raise ValueError(f"target_quantile must be in (0, 1), got {self.target_quantile!r}")
+        for name in ("learning_rate", "bit_noise_std", "initial_clip_norm"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def update_noise_multiplier(noise_multiplier: float, bit_noise_std: float) -> float:
+    """σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2); requires 2σ_b > σ (else the bits alone would exceed the budget)."""
+    if not 2 * bit_noise_std > noise_multiplier:
+        raise ValueError(
+            f"bit_noise_std σ_b = {bit_noise_std} is too small for noise_multiplier σ = {noise_multiplier}: "
+            f"the clip-bit query alone (multiplier 2σ_b = {2 * bit_noise_std}) would cost more than the "
+            "whole budget. Use σ_b > σ/2 (Andrew et al. suggest σ_b ≈ B/20)"
+        )
+    return (noise_multiplier**-2 - (2 * bit_noise_std) ** -2) ** -0.5
+
+
+def check_compatible(privacy: PrivacyConfig, adaptive: AdaptiveClipConfig) -> float:
+    """Validate the pair and return σ_Δ. BandMF is refused (its noise scale must not change)."""
+    if privacy.noise != "independent":
+        raise ValueError(
+            "adaptive clipping changes the noise scale every round, which breaks BandMF's correlated "
+            "noise; use noise 'independent' or a fixed clip_norm"
+        )
+    return update_noise_multiplier(privacy.noise_multiplier, adaptive.bit_noise_std)
+
+
+def next_clip_norm(clip_norm: float, unclipped_fraction: float, config: AdaptiveClipConfig) -> float:
+    """ζ_{t+1} = ζ_t·exp(−η_ζ(b̃_t − γ))."""
+    return clip_norm * math.exp(-config.learning_rate * (unclipped_fraction - config.target_quantile))
+
+
+class AdaptiveClipper:
+    """Explicit state of adaptive clipping: the current ζ_t and the generator of the bit noise."""
+
+    def __init__(self, config: AdaptiveClipConfig, expected_cohort: int, seed: int | None = None) -> None:
+        if not (isinstance(expected_cohort, int) and expected_cohort >= 1):
+            raise ValueError(f"expected_cohort must be an integer >= 1, got {expected_cohort!r}")
+        self.config = config
+        self.expected_cohort = expected_cohort
+        self.clip_norm = float(config.initial_clip_norm)
+        self.seed = entropy_seed() if seed is None else int(seed)
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def noisy_unclipped_fraction(self, bit_sum: int, count: int) -> float:
+        """b̃_t = (Σ(b_i − ½) + N(0, σ_b²))/B + ½ from the bit sum and the number of replies."""
+        if not 0 <= bit_sum <= count:
+            raise ValueError(f"bit_sum must be in [0, count = {count}], got {bit_sum}")
+        noise = self.config.bit_noise_std * float(
+            torch.randn((), generator=self._generator, dtype=torch.float64)
+        )
+        return (bit_sum - count / 2 + noise) / self.expected_cohort + 0.5
+
+    def step(self, bit_sum: int, count: int) -> float:
+        """Release this round's noisy fraction and move ζ; returns the new clip norm ζ_{t+1}."""
+        fraction = self.noisy_unclipped_fraction(bit_sum, count)
+        self.clip_norm = next_clip_norm(self.clip_norm, fraction, self.config)
+        return self.clip_norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clip_norm": self.clip_norm, "seed": self.seed, "generator_state": self._generator.get_state().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clip_norm = float(state["clip_norm"])
+        self.seed = int(state["seed"])
+        self._generator.set_state(state["generator_state"])
