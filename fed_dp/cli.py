@@ -1,0 +1,169 @@
+"""The ``fed-dp`` command: user-level ε of a planned run, and σ for a target ε.
+
+    fed-dp epsilon   --num-users N --expected-cohort B --rounds T --noise-multiplier S --delta D [...]
+    fed-dp calibrate --epsilon E --num-users N --expected-cohort B --rounds T --delta D [...]
+
+Both build one PrivacyConfig, the same object that drives the sampler and the noise of a training run,
+and ask dp_accounting (``fed_dp.accounting``) for the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, PrivacyConfig
+from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
+
+_SAMPLER_HELP = (
+    "user sampler: poisson (each user with q = B/N; default), without-replacement (exactly B of N; "
+    "needs --accountant rdp), all (every user every round; B = N), cyclic-poisson (users hashed into "
+    "--bands groups, one group per round at q = B*b/N), min-sep (fixed groups of B users in turn)"
+)
+
+
+_ADJACENCY = {
+    NeighboringRelation.ADD_OR_REMOVE_ONE: "add or remove one user",
+    NeighboringRelation.REPLACE_ONE: "replace one user",
+}
+
+
+def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_multiplier: bool) -> None:
+    group = parser.add_argument_group("mechanism")
+    group.add_argument("--num-users", type=int, required=True, metavar="N", help="users in the population")
+    group.add_argument(
+        "--expected-cohort", type=int, required=True, metavar="B",
+        help="expected users per round (the fixed denominator)",
+    )
+    group.add_argument("--rounds", type=int, required=True, metavar="T", help="server rounds")
+    if with_noise_multiplier:
+        group.add_argument(
+            "--noise-multiplier", type=float, required=True, metavar="S",
+            help="sigma: noise std on the sum of clipped updates divided by the clip norm",
+        )
+    group.add_argument("--delta", type=float, required=True, metavar="D", help="delta of (epsilon, delta)")
+    group.add_argument("--sampler", choices=SAMPLERS, default="poisson", help=_SAMPLER_HELP)
+    group.add_argument(
+        "--noise", choices=NOISES, default="independent",
+        help="independent Gaussian (default) or bandmf (banded matrix factorization; needs "
+        "--sampler cyclic-poisson or min-sep)",
+    )
+    group.add_argument(
+        "--bands", type=int, default=1, metavar="b",
+        help="bands of the BandMF strategy = groups of cyclic-poisson = required min-separation (default 1)",
+    )
+    group.add_argument(
+        "--max-participations", type=int, default=None, metavar="k",
+        help="min-sep only: participations per user to account for (default: ceil(T / (N // B)))",
+    )
+    group.add_argument("--accountant", choices=ACCOUNTANTS, default="pld", help="pld (default, tighter) or rdp")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _config(args: argparse.Namespace, noise_multiplier: float) -> PrivacyConfig:
+    return PrivacyConfig(
+        num_users=args.num_users,
+        expected_cohort=args.expected_cohort,
+        rounds=args.rounds,
+        noise_multiplier=noise_multiplier,
+        delta=args.delta,
+        sampler=args.sampler,
+        noise=args.noise,
+        bands=args.bands,
+        max_participations=args.max_participations,
+        accountant=args.accountant,
+    )
+
+
+def _summary(config: PrivacyConfig) -> dict[str, Any]:
+    return {
+        "accountant": config.accountant,
+        "sampler": config.sampler,
+        "noise": config.noise,
+        "noise_multiplier": config.noise_multiplier,
+        "num_users": config.num_users,
+        "expected_cohort": config.expected_cohort,
+        "rounds": config.rounds,
+        "bands": config.bands,
+        "sampling_rate": config.sampling_rate,
+        "max_participations": config.participations(),
+        "neighboring_relation": neighboring_relation(config).name.lower(),
+        "dp_event": repr(dp_event(config)),
+    }
+
+
+def _print_text(config: PrivacyConfig, headline: str) -> None:
+    print(headline)
+    print(f"  sampler     {config.sampler}, rate {config.sampling_rate:.6g}, "
+          f"adjacency: {_ADJACENCY[neighboring_relation(config)]}")
+    print(f"  noise       {config.noise} (bands {config.bands}), sigma = {config.noise_multiplier:.6g}")
+    print(f"  population  N = {config.num_users}, expected cohort B = {config.expected_cohort}, "
+          f"rounds T = {config.rounds}, participations per user <= {config.participations()}")
+    print(f"  accountant  {config.accountant} (dp_accounting)")
+
+
+def _run_epsilon(args: argparse.Namespace) -> None:
+    config = _config(args, args.noise_multiplier)
+    eps = epsilon(config)
+    if args.json:
+        print(json.dumps({"epsilon": eps, "delta": config.delta, **_summary(config)}))
+        return
+    _print_text(config, f"user-level epsilon = {eps:.4f} at delta = {config.delta:g}")
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    config = _config(args, 1.0)
+    sigma = calibrate_noise_multiplier(config, args.epsilon)
+    calibrated = config.replace(noise_multiplier=sigma)
+    achieved = epsilon(calibrated)
+    if args.json:
+        print(json.dumps({
+            "noise_multiplier": sigma, "target_epsilon": args.epsilon, "epsilon": achieved,
+            "delta": config.delta, **_summary(calibrated),
+        }))
+        return
+    _print_text(
+        calibrated,
+        f"noise multiplier sigma = {sigma:.6f} gives user-level epsilon = {achieved:.4f} "
+        f"<= {args.epsilon:g} at delta = {config.delta:g}",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fed-dp",
+        description="User-level differentially private federated training: accounting tools.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    eps = commands.add_parser(
+        "epsilon", help="user-level epsilon of a planned run",
+        description="Print the user-level epsilon of a planned run (dp_accounting).",
+    )
+    _add_mechanism_arguments(eps, with_noise_multiplier=True)
+    eps.set_defaults(run=_run_epsilon)
+    cal = commands.add_parser(
+        "calibrate", help="noise multiplier for a target epsilon",
+        description="Print the smallest noise multiplier whose user-level epsilon is at most --epsilon.",
+    )
+    cal.add_argument("--epsilon", type=float, required=True, metavar="E", help="target user-level epsilon")
+    _add_mechanism_arguments(cal, with_noise_multiplier=False)
+    cal.set_defaults(run=_run_calibrate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except ValueError as error:
+        parser.exit(2, f"fed-dp {args.command}: error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

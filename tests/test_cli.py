@@ -1,0 +1,185 @@
+"""Tests of the ``fed-dp`` command (fed_dp.cli): epsilon and calibrate, text and JSON, errors.
+
+Expected ε values are computed with dp_accounting directly on events built by hand (ALGORITHMS.md §4).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dp_accounting
+import pytest
+from dp_accounting import pld, rdp
+
+from fed_dp.cli import main
+
+DELTA = 1e-5
+
+
+def direct_epsilon(event, accountant, relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE):
+    acc = pld.PLDAccountant(neighboring_relation=relation) if accountant == "pld" else rdp.RdpAccountant(
+        neighboring_relation=relation)
+    acc.compose(event)
+    return acc.get_epsilon(DELTA)
+
+
+def poisson_event(q, sigma, rounds):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds)
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+EPSILON_CASES = [
+    pytest.param(
+        ["--num-users", "1000", "--expected-cohort", "10", "--rounds", "100", "--noise-multiplier", "1.5",
+         "--delta", "1e-5"],
+        "pld", "poisson", "independent", lambda: poisson_event(0.01, 1.5, 100), id="poisson-default-pld"),
+    pytest.param(
+        ["--num-users", "1000", "--expected-cohort", "10", "--rounds", "100", "--noise-multiplier", "1.5",
+         "--delta", "1e-5", "--accountant", "rdp"],
+        "rdp", "poisson", "independent", lambda: poisson_event(0.01, 1.5, 100), id="poisson-rdp"),
+    pytest.param(
+        ["--num-users", "1000", "--expected-cohort", "20", "--rounds", "30", "--noise-multiplier", "1.5",
+         "--delta", "1e-5", "--sampler", "cyclic-poisson", "--noise", "bandmf", "--bands", "4"],
+        "pld", "cyclic-poisson", "bandmf", lambda: poisson_event(20 * 4 / 1000, 1.5, math.ceil(30 / 4)),
+        id="cyclic-bandmf"),
+    pytest.param(
+        ["--num-users", "1000", "--expected-cohort", "100", "--rounds", "45", "--noise-multiplier", "3",
+         "--delta", "1e-5", "--sampler", "min-sep", "--noise", "bandmf", "--bands", "3"],
+        "pld", "min-sep", "bandmf", lambda: dp_accounting.GaussianDpEvent(3 / math.sqrt(5)), id="min-sep-bandmf"),
+]
+
+
+@pytest.mark.parametrize("argv, accountant, sampler, noise, event", EPSILON_CASES)
+def test_epsilon_json_matches_dp_accounting(capsys, argv, accountant, sampler, noise, event):
+    result = run_json(capsys, ["epsilon"] + argv)
+    assert {"epsilon", "delta", "accountant", "sampler", "noise"} <= result.keys()
+    assert result["accountant"] == accountant
+    assert result["sampler"] == sampler
+    assert result["noise"] == noise
+    assert result["delta"] == DELTA
+    assert result["epsilon"] == pytest.approx(direct_epsilon(event(), accountant), rel=1e-9)
+
+
+def test_epsilon_without_replacement_json(capsys):
+    result = run_json(capsys, [
+        "epsilon", "--num-users", "1000", "--expected-cohort", "20", "--rounds", "40", "--noise-multiplier",
+        "1.5", "--delta", "1e-5", "--sampler", "without-replacement", "--accountant", "rdp"])
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(1000, 20, dp_accounting.GaussianDpEvent(0.75)), 40)
+    expected = direct_epsilon(event, "rdp", dp_accounting.NeighboringRelation.REPLACE_ONE)
+    assert result["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_epsilon_text_output(capsys):
+    assert main(["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "100",
+                 "--noise-multiplier", "1.5", "--delta", "1e-5", "--accountant", "rdp"]) == 0
+    out = capsys.readouterr().out
+    expected = direct_epsilon(poisson_event(0.01, 1.5, 100), "rdp")
+    assert f"{expected:.4f}" in out
+    assert "poisson" in out and "rdp" in out
+
+
+@pytest.mark.parametrize("extra, event_of", [
+    pytest.param(["--accountant", "rdp"], lambda s: poisson_event(0.01, s, 50), id="poisson-rdp"),
+    pytest.param(["--sampler", "min-sep", "--noise", "bandmf", "--bands", "3", "--expected-cohort", "100"],
+                 lambda s: dp_accounting.GaussianDpEvent(s / math.sqrt(math.ceil(50 / 10))), id="min-sep-pld"),
+])
+def test_calibrate_json_meets_target(capsys, extra, event_of):
+    argv = ["calibrate", "--epsilon", "1.5", "--num-users", "1000", "--expected-cohort", "10",
+            "--rounds", "50", "--delta", "1e-5"] + extra  # a later --expected-cohort wins
+    result = run_json(capsys, argv)
+    sigma = result["noise_multiplier"]
+    accountant = result["accountant"]
+    assert result["target_epsilon"] == 1.5
+    achieved = direct_epsilon(event_of(sigma), accountant)
+    assert achieved <= 1.5
+    assert result["epsilon"] == pytest.approx(achieved, rel=1e-9)
+    assert direct_epsilon(event_of(sigma * (1 - 1e-3)), accountant) > 1.5  # tight
+
+
+INVALID = [
+    pytest.param(["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "10",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--noise", "bandmf", "--bands", "2"],
+                 ["bandmf", "poisson"], id="bandmf-with-poisson"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "30", "--rounds", "10",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "min-sep", "--noise", "bandmf",
+                  "--bands", "4"],
+                 ["min-sep", "bands"], id="min-sep-bands-above-separation"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "10",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "without-replacement"],
+                 ["without-replacement", "rdp"], id="without-replacement-pld"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "10",
+                  "--noise-multiplier", "-1", "--delta", "1e-5"],
+                 ["noise_multiplier"], id="negative-sigma"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "10",
+                  "--noise-multiplier", "0", "--delta", "1e-5"],
+                 ["noise_multiplier"], id="zero-sigma"),
+    pytest.param(["calibrate", "--epsilon", "-1", "--num-users", "100", "--expected-cohort", "10",
+                  "--rounds", "10", "--delta", "1e-5", "--accountant", "rdp"],
+                 ["epsilon"], id="calibrate-negative-target"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "30",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "min-sep",
+                  "--max-participations", "2"],
+                 ["max_participations"], id="min-sep-under-counted-k"),
+]
+
+
+@pytest.mark.parametrize("argv, words", INVALID)
+def test_invalid_combinations_exit_2_with_message(capsys, argv, words):
+    with pytest.raises(SystemExit) as excinfo:
+        main(argv)
+    assert excinfo.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    for word in words:
+        assert word in captured.err, (word, captured.err)
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["--help"])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    assert "epsilon" in out and "calibrate" in out
+    with pytest.raises(SystemExit) as excinfo:
+        main(["epsilon", "--help"])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    assert "--noise-multiplier" in out and "--sampler" in out
+
+
+def _console_script() -> str:
+    candidate = Path(sys.executable).parent / "fed-dp"
+    found = str(candidate) if candidate.exists() else shutil.which("fed-dp")
+    if found is None:
+        pytest.skip("the fed-dp console script is not installed")
+    return found
+
+
+def test_console_script_epsilon_json():
+    proc = subprocess.run(
+        [_console_script(), "epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "100",
+         "--noise-multiplier", "1.5", "--delta", "1e-5", "--accountant", "rdp", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["epsilon"] == pytest.approx(direct_epsilon(poisson_event(0.01, 1.5, 100), "rdp"), rel=1e-9)
+
+    bad = subprocess.run(
+        [_console_script(), "epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "10",
+         "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "without-replacement"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert bad.returncode == 2 and "rdp" in bad.stderr

@@ -1,0 +1,70 @@
+"""The README's contract: every `$ fed-dp ...` example prints exactly what the README shows, the
+main-job command runs, and .ci/run runs the README's test command verbatim."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from fed_dp.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _console_examples() -> list[tuple[str, str]]:
+    """(command, expected output) for each `$ fed-dp` line in ```console blocks."""
+    examples = []
+    for block in re.findall(r"```console\n(.*?)```", README, flags=re.S):
+        lines = block.rstrip("\n").split("\n")
+        starts = [i for i, line in enumerate(lines) if line.startswith("$ ")] + [len(lines)]
+        for start, stop in zip(starts, starts[1:]):
+            examples.append((lines[start][2:], "\n".join(lines[start + 1 : stop])))
+    return examples
+
+
+def _bash_commands() -> list[str]:
+    return [c.strip() for c in re.findall(r"```bash\n(.*?)```", README, flags=re.S)]
+
+
+def _run(command: str, capsys) -> tuple[int, str]:
+    argv = shlex.split(command)
+    assert argv[0] == "fed-dp"
+    try:
+        status = main(argv[1:])
+    except SystemExit as exit_:
+        status = exit_.code
+    captured = capsys.readouterr()
+    return status, (captured.out + captured.err).rstrip("\n")
+
+
+EXAMPLES = _console_examples()
+
+
+def test_readme_has_worked_examples_for_both_commands():
+    commands = {shlex.split(c)[1] for c, _ in EXAMPLES}
+    assert {"epsilon", "calibrate"} <= commands
+
+
+@pytest.mark.parametrize("command, expected", EXAMPLES, ids=[c[7:60] for c, _ in EXAMPLES])
+def test_readme_example_output_is_reproduced(command, expected, capsys):
+    status, output = _run(command, capsys)
+    assert output == expected
+    assert status == (2 if "error:" in expected else 0)
+
+
+def test_main_job_command_runs(capsys):
+    main_job = _bash_commands()[0]
+    assert main_job.startswith("python3 -m venv .venv")
+    status, output = _run(main_job.split("&&")[-1].strip(), capsys)
+    assert status == 0 and "user-level epsilon" in output
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_command = _bash_commands()[1]
+    assert test_command.endswith("pytest")
+    ci_script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command in ci_script.splitlines()
