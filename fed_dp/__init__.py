@@ -10,6 +10,10 @@ Modules follow ALGORITHMS.md:
     sampling           user samplers, each with its dp_accounting event
     accounting         ε with dp_accounting, calibration of σ, per-round ledger with budget
     adaptive_clipping  quantile-tracking clip norm with its noise split
+    optimizers         server optimizers as pure transforms: DP-FedAvg/SGD, DP-Adam(BC/W/W-BC), IME, STP, AdaGrad
+    moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation
+    diagnostics        ν̂ / ν̂ − Φ̂ summaries and update alignment (the seeds' figures)
+    context            simulation vs deployment; non-private baselines only in simulations
 """
 
 __version__ = "0.1.0"

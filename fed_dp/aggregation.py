@@ -42,3 +42,20 @@ def unscale(average: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if not bool((scale > 0).all()) or not bool(torch.isfinite(scale).all()):
         raise ValueError("scale must be positive and finite in every coordinate")
     return average / scale.to(average.device, average.dtype)
+
+
+def average_noise_variance(
+    privatizer: Privatizer, expected_cohort: int, t: int | None = None, scale: torch.Tensor | None = None
+) -> float | torch.Tensor:
+    """Φ_t, the per-coordinate noise variance of Δ̃_t (and of g̃_t): Var(w_t)/B², divided by s_t² for STP.
+
+    Var(w_t) = (σζ)²·‖row t of C⁻¹‖² comes from the privatizer (default t: its last step). This is what
+    DP-AdamBC subtracts (ALGORITHMS §3.3): (σζ/B)² for independent noise.
+    """
+    _check_cohort(expected_cohort)
+    variance = privatizer.noise_variance(t) / expected_cohort**2
+    if scale is None:
+        return variance
+    if not bool((scale > 0).all()):
+        raise ValueError("scale must be positive in every coordinate")
+    return variance / scale.square()
