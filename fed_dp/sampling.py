@@ -65,6 +65,10 @@ class Sampler:
         self.seeded_explicitly = seed is not None
         self.rounds_sampled = 0
         self._generator = torch.Generator().manual_seed(self.seed)
+        self._build_groups()
+
+    def _build_groups(self) -> None:
+        """Structures derived from the config and the seed (none for the plain samplers)."""
 
     # --- accounting --------------------------------------------------------------------------------
     @classmethod
@@ -98,10 +102,12 @@ class Sampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved sampler: adopts its seed (and seed-derived groups), round count and generator."""
         if state.get("sampler") != self.name:
             raise ValueError(f"sampler state is for {state.get('sampler')!r}, this sampler is {self.name!r}")
         if int(state["seed"]) != self.seed:
-            raise ValueError("sampler state has a different seed; build the sampler with the checkpoint's seed")
+            self.seed = int(state["seed"])
+            self._build_groups()
         self.rounds_sampled = int(state["rounds_sampled"])
         self.seeded_explicitly = bool(state["seeded_explicitly"])
         self._generator.set_state(state["generator_state"])
@@ -180,13 +186,11 @@ class CyclicPoissonSampler(Sampler):
 
     name = "cyclic-poisson"
 
-    def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
-        super().__init__(config, seed)
-        groups = torch.tensor(
-            [stable_group(u, config.bands) for u in range(config.num_users)], dtype=torch.int64
-        )
-        users = torch.arange(config.num_users, dtype=torch.int64)
-        self.groups = [users[groups == g] for g in range(config.bands)]
+    def _build_groups(self) -> None:
+        bands = self.config.bands
+        groups = torch.tensor([stable_group(u, bands) for u in range(self.config.num_users)], dtype=torch.int64)
+        users = torch.arange(self.config.num_users, dtype=torch.int64)
+        self.groups = [users[groups == g] for g in range(bands)]
 
     @classmethod
     def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
@@ -217,10 +221,9 @@ class MinSepSampler(Sampler):
 
     name = "min-sep"
 
-    def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
-        super().__init__(config, seed)
-        perm = torch.randperm(config.num_users, generator=torch.Generator().manual_seed(self.seed))
-        self.groups = [torch.sort(g).values for g in torch.tensor_split(perm, config.min_separation)]
+    def _build_groups(self) -> None:
+        perm = torch.randperm(self.config.num_users, generator=torch.Generator().manual_seed(self.seed))
+        self.groups = [torch.sort(g).values for g in torch.tensor_split(perm, self.config.min_separation)]
 
     @classmethod
     def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:

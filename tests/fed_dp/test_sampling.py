@@ -345,8 +345,9 @@ def test_state_dict_round_trip_continues_identically(cfg):
     state = torch.load(buffer)
     expected = [original.next_cohort() for _ in range(cfg.rounds - 5)]
 
-    restored = make_sampler(cfg, seed=1234)
+    restored = make_sampler(cfg, seed=999)  # a resumed run starts with another seed, then adopts the checkpoint's
     restored.load_state_dict(state)
+    assert restored.seed == 1234
     assert restored.rounds_sampled == 5
     got = [restored.next_cohort() for _ in range(cfg.rounds - 5)]
     assert all(torch.equal(x, y) for x, y in zip(expected, got))
@@ -364,11 +365,9 @@ def test_state_dict_is_not_aliased_to_the_live_generator():
     assert all(torch.equal(x, y) for x, y in zip(after_state, [sampler2.next_cohort() for _ in range(3)]))
 
 
-def test_load_state_refuses_other_seed_or_sampler():
+def test_load_state_refuses_another_sampler():
     poisson_cfg, wor_cfg = ALL_CONFIGS[0], ALL_CONFIGS[1]
     state = make_sampler(poisson_cfg, seed=1).state_dict()
-    with pytest.raises(ValueError, match="seed"):
-        make_sampler(poisson_cfg, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="poisson"):
         make_sampler(wor_cfg, seed=1).load_state_dict(state)
 

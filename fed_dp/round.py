@@ -1,0 +1,254 @@
+"""The one private round, shared by every engine (DESIGN.md "The one round"; ALGORITHMS §1).
+
+    state          = init_server(config, optimizer, params)    # optimizer, privatizer, sampler, ledger
+    plan           = begin_round(state)                         # budget check, cohort, θ_{t−1}, s_t
+    ... each node replies with a Contribution: the sum of its users' clipped updates and their count ...
+    state, metrics = finish_round(state, plan, contributions)   # validate, re-clip, noise, optimizer, ledger
+
+The Flower strategy, the in-process simulation engine and the tests all go through these functions, so the
+DP-critical path exists once:
+
+* the budget is checked before a cohort is drawn; a round over budget raises ``BudgetExceededError``;
+* every reply is validated (shape, dtype, finite values, count) and re-clipped to count·ζ (ζ per user;
+  count·ζ bounds the sum a node reports for its count users); a rejected reply counts as dropped users;
+* Σ_t is the UNWEIGHTED sum; noise from the privatizer; the average divides by the constant B;
+* the optimizer sees only g̃_t = −(Σ_t + w_t)/B (un-scaled by s_t for scale-then-privatize), plus what its
+  ``needs`` ask for; the ledger records the round whatever the number of replies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from fed_dp.accounting import PrivacyLedger
+from fed_dp.aggregation import average_noise_variance, private_average, unscale
+from fed_dp.config import PrivacyConfig
+from fed_dp.context import in_simulation, reported_epsilon
+from fed_dp.diagnostics import alignment_ratio
+from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
+from fed_dp.noise import Privatizer, make_privatizer
+from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
+from fed_dp.sampling import Sampler, make_sampler
+
+#: Relative slack when checking a reply's norm against count·ζ (float32 rounding of an honest clip).
+NORM_SLACK = 1e-5
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One node's reply: Σ of its users' clipped updates (scaled geometry for STP), their count, and,
+    when the optimizer needs them, Σ of their coordinate-wise squares."""
+
+    total: torch.Tensor
+    count: int
+    total_squares: torch.Tensor | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What round t broadcasts: the cohort (user ids), θ_{t−1}, s_t (STP) and whether users send squares."""
+
+    round: int
+    cohort: torch.Tensor
+    params: torch.Tensor
+    clip_norm: float
+    scale: torch.Tensor | None
+    send_squares: bool
+
+
+@dataclass
+class ServerState:
+    """Explicit server state: everything a checkpoint must hold (see ``state_dict``).
+
+    The privatizer, sampler and ledger are streams that each round advances in place; parameters and
+    optimizer state are replaced by new tensors (never mutated in place).
+    """
+
+    config: PrivacyConfig
+    optimizer: ServerOptimizer
+    params: torch.Tensor
+    opt_state: OptimizerState
+    privatizer: Privatizer
+    sampler: Sampler
+    ledger: PrivacyLedger
+    round: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "params": self.params.detach().cpu().clone(),
+            "opt_state": self.opt_state._asdict(),
+            "privatizer": self.privatizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "ledger": self.ledger.to_dict(),
+        }
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: same model, optimizer state, noise stream, cohorts and ledger.
+
+        The noise stream continues where it stopped (never reusing a noise vector); the configuration
+        must be the one the checkpoint was written with.
+        """
+        ledger = PrivacyLedger.from_dict(data["ledger"])
+        if ledger.config != self.config:
+            raise ValueError("the checkpoint was written with another privacy configuration; refusing to resume")
+        device, dtype = self.params.device, self.params.dtype
+        params = data["params"]
+        if tuple(params.shape) != tuple(self.params.shape):
+            raise ValueError(f"checkpoint params have shape {tuple(params.shape)}, model has {tuple(self.params.shape)}")
+        self.params = params.to(device, dtype).clone()
+        self.opt_state = OptimizerState(
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data["opt_state"].items()}
+        )
+        self.privatizer.load_state_dict(data["privatizer"])
+        self.sampler.load_state_dict(data["sampler"])
+        self.ledger = ledger
+        self.round = int(data["round"])
+
+
+def init_server(
+    config: PrivacyConfig,
+    optimizer: ServerOptimizer,
+    params: torch.Tensor,
+    *,
+    seed: int | None = None,
+    device: str | torch.device = "cpu",
+) -> ServerState:
+    """Build the server state. ``seed`` seeds sampler and noise (``None``: OS entropy, as for real runs)."""
+    if params.ndim != 1 or not params.dtype.is_floating_point:
+        raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
+    params = params.detach().to(device).clone()
+    dim = params.numel()
+    noise_seed = None if seed is None else seed + 1
+    if optimizer.needs.squares:
+        privatizer = joint_privatizer(config, dim, optimizer.ime_alpha, seed=noise_seed, device=device,
+                                      dtype=params.dtype)
+    else:
+        privatizer = make_privatizer(config, dim, seed=noise_seed, device=device, dtype=params.dtype)
+    return ServerState(
+        config=config,
+        optimizer=optimizer,
+        params=params,
+        opt_state=optimizer.init(params),
+        privatizer=privatizer,
+        sampler=make_sampler(config, seed=seed),
+        ledger=PrivacyLedger(config),
+    )
+
+
+def begin_round(state: ServerState) -> RoundPlan:
+    """Refuse a round over budget, then draw the cohort and say what to broadcast."""
+    state.ledger.check_next_round()
+    cohort = state.sampler.next_cohort()
+    return RoundPlan(
+        round=state.round,
+        cohort=cohort,
+        params=state.params.clone(),
+        clip_norm=state.config.clip_norm,
+        scale=state.optimizer.scale(state.opt_state),
+        send_squares=state.optimizer.needs.squares,
+    )
+
+
+def _rejection(c: Contribution, dim: int, plan: RoundPlan) -> str | None:
+    """Why a reply is unusable, or None."""
+    if not isinstance(c.count, int) or isinstance(c.count, bool) or c.count < 0:
+        return f"count must be an integer >= 0, got {c.count!r}"
+    for name, value in (("total", c.total), ("total_squares", c.total_squares)):
+        if name == "total_squares" and not plan.send_squares:
+            continue
+        if not isinstance(value, torch.Tensor):
+            return f"{name} is missing or not a tensor"
+        if not value.dtype.is_floating_point:
+            return f"{name} has dtype {value.dtype}, expected a floating-point vector"
+        if tuple(value.shape) != (dim,):
+            return f"{name} has shape {tuple(value.shape)}, expected ({dim},)"
+        if not bool(torch.isfinite(value).all()):
+            return f"{name} contains NaN or Inf"
+    if plan.send_squares and bool((c.total_squares < 0).any()):
+        return "total_squares has negative entries"
+    return None
+
+
+def _reclip(vector: torch.Tensor, bound: float) -> tuple[torch.Tensor, bool]:
+    """Scale ``vector`` to L2 norm ≤ bound; returns (vector, whether it had to be clipped)."""
+    norm = float(torch.linalg.vector_norm(vector))
+    if norm <= bound * (1 + NORM_SLACK):
+        return vector, False
+    return vector * (bound / norm), True
+
+
+def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, device, dtype):
+    """Validate and re-clip the replies; return (Σu, Σu² or None, users counted, metrics)."""
+    total = torch.zeros(dim, device=device, dtype=dtype)
+    squares = torch.zeros(dim, device=device, dtype=dtype) if plan.send_squares else None
+    counted, rejected, reclipped = 0, [], 0
+    for c in contributions:
+        reason = _rejection(c, dim, plan)
+        if reason is not None:
+            rejected.append(f"{c.source or 'reply'}: {reason}")
+            continue
+        if counted + c.count > plan.cohort.numel():
+            rejected.append(f"{c.source or 'reply'}: more users replied than were sampled")
+            continue
+        clipped, was_clipped = _reclip(c.total.to(device, dtype), c.count * plan.clip_norm)
+        reclipped += was_clipped
+        total += clipped
+        if squares is not None:
+            sq, was_clipped = _reclip(c.total_squares.to(device, dtype), c.count * plan.clip_norm**2)
+            reclipped += was_clipped
+            squares += sq
+        counted += c.count
+    metrics = {"replied_users": counted, "rejected_replies": rejected, "reclipped_replies": reclipped}
+    return total, squares, counted, metrics
+
+
+def finish_round(
+    state: ServerState, plan: RoundPlan, contributions: list[Contribution]
+) -> tuple[ServerState, dict[str, Any]]:
+    """Noise, average over B, step the optimizer, account. Returns the new state and the round's metrics."""
+    if plan.round != state.round:
+        raise ValueError(f"plan is for round {plan.round}, the server is at round {state.round}")
+    config, optimizer = state.config, state.optimizer
+    B, dim = config.expected_cohort, state.params.numel()
+    total, squares, counted, metrics = aggregate(
+        plan, contributions, dim, state.params.device, state.params.dtype
+    )
+    second_moment = None
+    if plan.send_squares:
+        noisy_total, noisy_squares = split_query(
+            state.privatizer.privatize(stack_query(total, squares, optimizer.ime_alpha)), optimizer.ime_alpha
+        )
+        average, second_moment = noisy_total / B, noisy_squares / B
+        noise_variance = None
+    else:
+        average = private_average(total, state.privatizer, B)
+        noise_variance = average_noise_variance(state.privatizer, B, scale=plan.scale)
+    clean = total / B
+    if plan.scale is not None:
+        average, clean = unscale(average, plan.scale), unscale(clean, plan.scale)
+    release = RoundRelease(
+        grad=-average,
+        second_moment=second_moment,
+        noise_variance=noise_variance,
+        clean_grad=-clean if optimizer.needs.clean_aggregate else None,
+    )
+    step, opt_state, diagnostics = optimizer.update(release, state.opt_state, state.params)
+    record = state.ledger.record_round(plan.cohort.numel())
+    new_state = replace(state, params=state.params + step, opt_state=opt_state, round=state.round + 1)
+    metrics.update(diagnostics)
+    metrics.update(
+        round=plan.round,
+        cohort_size=plan.cohort.numel(),
+        epsilon=reported_epsilon(record.epsilon, optimizer.private),
+        delta=config.delta,
+        update_norm=float(torch.linalg.vector_norm(step)),
+    )
+    if in_simulation():  # reads the un-noised sum: never recorded outside simulations
+        metrics["alignment_ratio"] = alignment_ratio(total, counted, plan.clip_norm) if counted else math.nan
+    return new_state, metrics
