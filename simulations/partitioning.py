@@ -1,0 +1,314 @@
+"""Split a dataset among users with flwr-datasets partitioners.
+
+:func:`partition` turns a label vector into one array of example indices per user. It
+builds a Hugging Face ``datasets.Dataset`` with the columns ``label`` (the labels),
+``index`` (the position of every example in the caller's dataset) and, for the
+``natural-id`` scheme, ``user`` (the natural ids); hands it to a flwr-datasets
+partitioner; and reads the ``index`` column of ``load_partition(i)`` for every user
+``i``. Only the indices come back, so the caller keeps its tensors where they are.
+
+Schemes (every one assigns every example to exactly one user, and every user gets at
+least ``min_size`` examples or a ``ValueError`` is raised):
+
+``iid``
+    Rows are put in a uniformly random order (``torch.randperm`` with ``seed``) and
+    ``IidPartitioner`` cuts them into ``num_users`` contiguous shards: sizes differ by
+    at most one, contents are a uniformly random split.
+``dirichlet``
+    ``DirichletPartitioner`` on ``label`` (Hsu et al. 2019 / Yurochkin et al. 2019):
+    for every class the class's examples are divided among users in proportions
+    ``p ~ Dirichlet(alpha · 1_N)``. Small ``alpha`` gives users few classes each, large
+    ``alpha`` approaches an IID split. ``self_balancing=True``: a user already holding
+    more than ``n / N`` examples receives nothing from later classes. That keeps user
+    sizes near ``n / N``, so this scheme isolates label skew from quantity skew (the
+    ``power-law`` scheme models the latter), and it makes the minimum-size constraint
+    easier to meet. Draws whose smallest user has fewer than ``min_size`` examples are
+    redrawn by the partitioner, at most 10 times; if every draw fails a ``ValueError``
+    explains what to change. ``N · min_size > n`` is rejected up front.
+``natural-id``
+    ``NaturalIdPartitioner`` on the given natural ids: one user per distinct id, user
+    ``i`` holds the examples of the ``i``-th id in sorted order (deterministic).
+    ``num_users`` must equal the number of distinct ids.
+``power-law``
+    Heavy-tailed user sizes with user 0 the largest. With ``N`` users, ``n`` examples,
+    ``m = min_size`` and ``a = exponent``, user ``i`` (``i = 0, …, N−1``) gets
+
+        ``s_i = m + r_i``, where ``r_i`` is ``R · (i+1)^(−a) / Σ_j (j+1)^(−a)`` with
+        ``R = n − N·m``, rounded by the largest-remainder method,
+
+    so ``Σ s_i = n`` exactly, ``|r_i − R (i+1)^(−a) / Σ_j (j+1)^(−a)| < 1``, and
+    ``s_0 ≥ s_1 ≥ … ≥ s_{N−1} ≥ m`` (ties in the remainders go to the lower user id).
+    Rows are put in a uniformly random order (``torch.randperm`` with ``seed``) and
+    ``SizePartitioner`` cuts them into consecutive blocks of these sizes, so the
+    examples of every user are a uniformly random subset. ``a = 0`` gives equal sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["SCHEMES", "partition", "partition_sizes", "power_law_sizes"]
+
+#: The partitioning schemes accepted by :func:`partition`.
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "natural-id", "power-law")
+
+# DirichletPartitioner redraws up to this many extra times before giving up (flwr-datasets
+# 0.6: the first draw plus 10 retries). Only used to word the error message.
+_DIRICHLET_RETRIES = 10
+
+
+def _as_1d_array(name: str, values: Any) -> np.ndarray:
+    """Convert a tensor / array / sequence to a 1-D numpy array (copy-free where possible)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as err:  # ragged input, …
+        raise ValueError(f"{name} must be a one-dimensional array, got {type(values)!r}") from err
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    return array
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_real(name: str, value: object, *, positive: bool) -> float:
+    bad = isinstance(value, bool) or not isinstance(value, numbers.Real)
+    if not bad:
+        value = float(value)  # type: ignore[arg-type]
+        bad = not math.isfinite(value) or (value <= 0.0 if positive else value < 0.0)
+    if bad:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _random_order(n: int, seed: int) -> np.ndarray:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return torch.randperm(n, generator=gen).numpy()
+
+
+def power_law_sizes(n: int, num_users: int, *, exponent: float = 1.5, min_size: int = 1) -> np.ndarray:
+    """User sizes of the ``power-law`` scheme (int64, shape ``(num_users,)``, sum ``n``).
+
+    ``s_i = min_size + r_i`` with ``r_i`` the largest-remainder rounding of
+    ``(n − num_users·min_size) · (i+1)^(−exponent) / Σ_j (j+1)^(−exponent)``;
+    non-increasing in ``i``.
+    """
+    n = _check_int("n", n, minimum=1)
+    num_users = _check_int("num_users", num_users, minimum=1)
+    exponent = _check_real("exponent", exponent, positive=False)
+    min_size = _check_int("min_size", min_size, minimum=1)
+    if num_users * min_size > n:
+        raise ValueError(
+            f"min_size={min_size} is impossible: {num_users} users need at least "
+            f"{num_users * min_size} examples but there are only n={n}"
+        )
+    remaining = n - num_users * min_size
+    weights = np.arange(1, num_users + 1, dtype=np.float64) ** (-exponent)
+    quotas = remaining * (weights / weights.sum())
+    shares = np.floor(quotas).astype(np.int64)
+    leftover = remaining - int(shares.sum())
+    fractions = quotas - shares
+    # Largest remainders first; a stable sort gives ties to the lower user id, which
+    # keeps the sizes non-increasing.
+    order = np.argsort(-fractions, kind="stable")
+    if leftover > 0:
+        shares[order[:leftover]] += 1
+    elif leftover < 0:  # only possible through floating-point error in the quotas
+        for i in order[::-1]:
+            if leftover == 0:
+                break
+            if shares[i] > 0:
+                shares[i] -= 1
+                leftover += 1
+    return min_size + shares
+
+
+def partition_sizes(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Number of examples held by every user (int64, shape ``(len(parts),)``)."""
+    return np.array([len(p) for p in parts], dtype=np.int64)
+
+
+def partition(
+    labels: Any,
+    num_users: int,
+    scheme: str,
+    *,
+    seed: int = 0,
+    alpha: float = 0.5,
+    exponent: float = 1.5,
+    natural_ids: Any = None,
+    min_size: int = 1,
+) -> list[np.ndarray]:
+    """Assign every example to one user; return the example indices of users ``0..N−1``.
+
+    Args:
+        labels: 1-D integer labels of the ``n`` examples (tensor, array or sequence).
+            Only ``dirichlet`` looks at their values; the other schemes use ``n``.
+        num_users: number of users ``N``, ``1 <= N <= n``.
+        scheme: one of :data:`SCHEMES` (see the module docstring for each law).
+        seed: seed (``>= 0``) of the row shuffle (``iid``, ``power-law``) or of the
+            partitioner's Dirichlet draws (``dirichlet``); ``natural-id`` is
+            deterministic.
+        alpha: Dirichlet concentration (``> 0``), ``dirichlet`` only.
+        exponent: power-law exponent ``a >= 0``, ``power-law`` only: size ∝ (i+1)^(−a).
+        natural_ids: 1-D natural user ids of the ``n`` examples (ints or strings),
+            required by ``natural-id`` and rejected by the other schemes.
+        min_size: every user must hold at least this many examples (``>= 1``).
+
+    Returns:
+        ``parts`` with ``len(parts) == N``; ``parts[i]`` is an int64 array of the
+        indices (into ``labels``) of user ``i``'s examples. The arrays are disjoint and
+        their union is ``0..n−1``.
+
+    Raises:
+        ValueError: on an unknown scheme, a malformed argument, ``N > n``, a
+        ``min_size`` that cannot be met, or a ``num_users`` that does not match the
+        natural ids.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}; got {scheme!r}")
+    label_array = _as_1d_array("labels", labels)
+    n = label_array.shape[0]
+    if n == 0:
+        raise ValueError("labels must contain at least one example")
+    if not (np.issubdtype(label_array.dtype, np.integer) or label_array.dtype == np.bool_):
+        raise ValueError(f"labels must be integers, got dtype {label_array.dtype}")
+    num_users = _check_int("num_users", num_users, minimum=1)
+    if num_users > n:
+        raise ValueError(f"num_users={num_users} exceeds the number of examples n={n}")
+    seed = _check_int("seed", seed, minimum=0)
+    min_size = _check_int("min_size", min_size, minimum=1)
+    alpha = _check_real("alpha", alpha, positive=True)
+    exponent = _check_real("exponent", exponent, positive=False)
+    if scheme != "natural-id" and natural_ids is not None:
+        raise ValueError(f"natural_ids is only used by scheme 'natural-id', not {scheme!r}")
+    if scheme != "natural-id" and num_users * min_size > n:
+        raise ValueError(
+            f"min_size={min_size} is impossible: {num_users} users need at least "
+            f"{num_users * min_size} examples but there are only n={n}"
+        )
+
+    # Imported here so that importing this module stays cheap.
+    import datasets
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        NaturalIdPartitioner,
+        SizePartitioner,
+    )
+
+    index = np.arange(n, dtype=np.int64)
+    label_column = label_array.astype(np.int64)
+    load_all: Callable[[], list[np.ndarray]]
+
+    if scheme == "iid":
+        order = _random_order(n, seed)
+        partitioner = IidPartitioner(num_partitions=num_users)
+        partitioner.dataset = datasets.Dataset.from_dict(
+            {"label": label_column[order], "index": index[order]}
+        )
+        load_all = lambda: _load_all(partitioner, num_users)  # noqa: E731
+
+    elif scheme == "power-law":
+        sizes = power_law_sizes(n, num_users, exponent=exponent, min_size=min_size)
+        order = _random_order(n, seed)
+        partitioner = SizePartitioner(partition_sizes=[int(s) for s in sizes])
+        partitioner.dataset = datasets.Dataset.from_dict(
+            {"label": label_column[order], "index": index[order]}
+        )
+        load_all = lambda: _load_all(partitioner, num_users)  # noqa: E731
+
+    elif scheme == "dirichlet":
+        partitioner = DirichletPartitioner(
+            num_partitions=num_users,
+            partition_by="label",
+            alpha=alpha,
+            min_partition_size=min_size,
+            self_balancing=True,
+            shuffle=True,
+            seed=seed,
+        )
+        partitioner.dataset = datasets.Dataset.from_dict({"label": label_column, "index": index})
+
+        def load_all() -> list[np.ndarray]:
+            with warnings.catch_warnings():
+                # The partitioner warns on every redraw; the outcome is reported below.
+                warnings.filterwarnings(
+                    "ignore", message=re.escape("The specified min_partition_size")
+                )
+                try:
+                    return _load_all(partitioner, num_users)
+                except ValueError as err:
+                    raise ValueError(
+                        f"dirichlet: no draw out of {_DIRICHLET_RETRIES + 1} gave every one of "
+                        f"the {num_users} users at least min_size={min_size} examples (n={n}, "
+                        f"{len(np.unique(label_column))} classes, alpha={alpha}); increase "
+                        f"alpha, or decrease num_users or min_size"
+                    ) from err
+
+    else:  # natural-id
+        if natural_ids is None:
+            raise ValueError("scheme 'natural-id' needs natural_ids (one id per example)")
+        id_array = _as_1d_array("natural_ids", natural_ids)
+        if id_array.shape[0] != n:
+            raise ValueError(
+                f"natural_ids has {id_array.shape[0]} entries but labels has {n}; "
+                f"give one natural id per example"
+            )
+        if id_array.dtype.kind not in "biuU":
+            raise ValueError(f"natural_ids must be integers or strings, got dtype {id_array.dtype}")
+        distinct = len(np.unique(id_array))
+        if distinct != num_users:
+            raise ValueError(
+                f"num_users={num_users} must equal the number of distinct natural ids, "
+                f"which is {distinct}"
+            )
+        user_column = id_array.astype(np.int64) if id_array.dtype.kind in "biu" else id_array
+        partitioner = NaturalIdPartitioner(partition_by="user")
+        partitioner.dataset = datasets.Dataset.from_dict(
+            {"label": label_column, "index": index, "user": user_column}
+        )
+        load_all = lambda: _load_all(partitioner, num_users)  # noqa: E731
+
+    parts = load_all()
+    sizes_found = partition_sizes(parts)
+    if int(sizes_found.sum()) != n or len(np.unique(np.concatenate(parts))) != n:
+        raise RuntimeError(f"{scheme}: the partitioner did not assign every example exactly once")
+    too_small = np.flatnonzero(sizes_found < min_size)
+    if too_small.size:
+        first = int(too_small[0])
+        raise ValueError(
+            f"{scheme}: {too_small.size} users hold fewer than min_size={min_size} examples "
+            f"(e.g. user {first} holds {int(sizes_found[first])})"
+        )
+    return parts
+
+
+def _load_all(partitioner: Any, num_users: int) -> list[np.ndarray]:
+    """Read the ``index`` column of every partition as an int64 array."""
+    parts = []
+    for user in range(num_users):
+        rows = partitioner.load_partition(user)
+        if len(rows) == 0:
+            parts.append(np.empty(0, dtype=np.int64))
+            continue
+        table = rows.with_format("arrow", columns=["index"])[:]
+        parts.append(table["index"].to_numpy().astype(np.int64, copy=False))
+    return parts

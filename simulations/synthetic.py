@@ -1,0 +1,200 @@
+"""Synthetic tasks from the seed papers, generated with explicit ``torch.Generator``s.
+
+Two generators:
+
+* :func:`heavy_tail_data` -- the heavy-tail class-imbalance task of seed 003 §3 (after
+  Kunstner et al. 2024): a linear softmax model on inputs drawn independently of the
+  labels, with class frequencies spread over ``groups`` orders of magnitude.
+* :func:`sparse_logistic_1d` -- the one-dimensional sparse logistic regression of
+  seed 000 §5.1, used to compare AdaGrad variants (ALGORITHMS.md §3.8): most samples
+  have ``x = 0`` and therefore a gradient that is exactly zero.
+
+Neither function touches the global RNG: every draw goes through a private
+``torch.Generator`` seeded with ``seed``, so a call is reproducible and independent of
+everything else running in the process.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = [
+    "SPARSE_LOGISTIC_TRUE_WEIGHT",
+    "heavy_tail_class_sizes",
+    "heavy_tail_data",
+    "sparse_logistic_1d",
+]
+
+#: Ground-truth weight ``w*`` of :func:`sparse_logistic_1d`: ``P(y = 1 | x) = sigmoid(w* x)``.
+SPARSE_LOGISTIC_TRUE_WEIGHT: float = 1.0
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    """Return ``value`` as an ``int`` or raise ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _generator(seed: object) -> torch.Generator:
+    seed = _check_int("seed", seed, minimum=0)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return gen
+
+
+def heavy_tail_class_sizes(*, groups: int = 8, largest: int = 1024) -> torch.Tensor:
+    """Number of examples of every class of :func:`heavy_tail_data` (int64, shape (2^G − 1,)).
+
+    Class ``j`` belongs to group ``k = floor(log2(j + 1))`` and has ``largest / 2^k``
+    examples; classes are ordered from most to least frequent.
+    """
+    groups = _check_int("groups", groups, minimum=1)
+    largest = _check_int("largest", largest, minimum=1)
+    if largest % (2 ** (groups - 1)) != 0:
+        raise ValueError(
+            f"largest must be divisible by 2^(groups - 1) = {2 ** (groups - 1)} so that "
+            f"every class of the last group has an integer size, got largest={largest} "
+            f"with groups={groups}"
+        )
+    class_groups = _class_groups(groups)
+    return torch.div(largest, 2**class_groups, rounding_mode="floor").to(torch.int64)
+
+
+def _class_groups(groups: int) -> torch.Tensor:
+    counts = 2 ** torch.arange(groups, dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(groups, dtype=torch.int64), counts)
+
+
+def heavy_tail_data(
+    *,
+    groups: int = 8,
+    largest: int = 1024,
+    dim: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Heavy-tail class-imbalanced classification data (seed 003 §3; Kunstner et al. 2024).
+
+    Construction, with ``G = groups`` and ``L = largest``:
+
+    * Classes come in ``G`` frequency groups. Group ``k`` (``k = 0, …, G−1``) holds
+      ``2^k`` classes of ``L / 2^k`` examples each, so every group holds ``L``
+      examples, there are ``n = G·L`` examples and ``c = 2^G − 1`` classes, and the
+      frequency of a class is inversely proportional to the number of classes that
+      are as frequent as it (approximately Zipf, ``π_j ∝ 1/j``). Class ``j`` is in
+      group ``floor(log2(j + 1))``: class 0 is the most frequent, the last ``2^(G−1)``
+      classes the rarest. ``L`` must be divisible by ``2^(G−1)``.
+    * Inputs are i.i.d. ``Uniform[0, 1]^d`` with ``d = L + n`` by default. The seed
+      writes ``d = 2^m + n`` where ``2^m`` is the largest class size; its reported
+      instance ``n = 8192, d = 9216, c = 255`` is exactly this function's default
+      ``G = 8, L = 1024`` (smallest class: 8 examples, above the seed's minimum class
+      size of 5; the "8 classes with 128 samples" and "128 classes with 8 samples"
+      groups of its Fig. 2 are groups 3 and 7). Since ``d > n`` the inputs are linearly
+      independent almost surely, so a linear softmax model can fit any labelling and
+      the task measures how fast an optimizer learns each class.
+    * Labels are independent of the inputs: the multiset of labels is fixed by the class
+      sizes above and its order is a uniformly random permutation drawn independently
+      of ``x``. Knowing ``x_i`` tells nothing about ``y_i`` beyond the class frequencies.
+
+    Args:
+        groups: number of frequency groups ``G >= 1``.
+        largest: size ``L`` of the most frequent class (of each group); divisible by
+            ``2^(G−1)``.
+        dim: input dimension ``d >= 1``; ``None`` means ``L + n``.
+        seed: seed of the private ``torch.Generator`` (``>= 0``).
+
+    Returns:
+        ``(x, y, class_groups)``: ``x`` float32 of shape ``(n, d)`` with entries in
+        ``[0, 1)``; ``y`` int64 of shape ``(n,)`` with values in ``0..c−1``;
+        ``class_groups`` int64 of shape ``(c,)``, the group of every class.
+
+    Note: the default instance is 8192 × 9216 float32 (about 300 MB).
+    """
+    sizes = heavy_tail_class_sizes(groups=groups, largest=largest)
+    n = int(groups) * int(largest)
+    if dim is None:
+        dim = int(largest) + n
+    else:
+        dim = _check_int("dim", dim, minimum=1)
+    gen = _generator(seed)
+
+    class_groups = _class_groups(int(groups))
+    num_classes = class_groups.numel()
+    sorted_labels = torch.repeat_interleave(torch.arange(num_classes, dtype=torch.int64), sizes)
+    # Draw the inputs and the label order from the same generator, but never let one
+    # depend on the other: the labels are a fixed multiset in a random order.
+    x = torch.rand((n, dim), generator=gen, dtype=torch.float32)
+    y = sorted_labels[torch.randperm(n, generator=gen)]
+    return x, y, class_groups
+
+
+def sparse_logistic_1d(
+    *,
+    num_examples: int = 1000,
+    nonzero_fraction: float = 0.05,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-dimensional sparse logistic regression (seed 000 §5.1; ALGORITHMS.md §3.8).
+
+    Model: a single weight ``w``, per-example loss
+    ``ℓ(w; x, y) = −y log σ(w x) − (1 − y) log(1 − σ(w x))`` with ``y ∈ {0, 1}``, whose
+    gradient is ``∂ℓ/∂w = (σ(w x) − y)·x``. Data, drawn i.i.d. for every example:
+
+    1. ``z ~ N(0, 1)`` and ``y ~ Bernoulli(σ(w* z))`` with ground truth
+       ``w* = SPARSE_LOGISTIC_TRUE_WEIGHT = 1``;
+    2. ``keep ~ Bernoulli(nonzero_fraction)`` and ``x = keep · z``.
+
+    So a fraction ``1 − nonzero_fraction`` of the examples is sparsified to ``x = 0``:
+    their loss is ``log 2`` at every ``w`` and their gradient is exactly ``0``, the
+    setting in which AdaGrad (step size decaying with the number of *non-zero*
+    gradients seen) beats SGD with a step size decaying in the number of steps. The
+    labels of sparsified examples are those drawn from ``z`` before sparsifying, as in
+    the seed ("for that fraction of the training data we set x = 0").
+
+    Parameter choices (the seed's inline math was lost in extraction):
+
+    * ``x ~ N(0, 1)`` and ``w* = 1``: the seed reports a ground-truth test loss of
+      0.5976 on non-sparsified samples. The Bayes loss ``E[H(σ(w* z))]`` is 0.599 for
+      ``z ~ N(0, 1), w* = 1`` (Monte Carlo, 4·10⁶ draws), against 0.664 / 0.527 for
+      ``w* = 0.5 / 1.5`` and 0.654 for ``z ~ Uniform[−1, 1], w* = 1``; the standard-normal
+      choice with unit weight is the one consistent with the reported figure.
+    * ``num_examples = 1000``: as in the seed (one epoch at batch size 1).
+    * ``nonzero_fraction = 0.05``: about 50 informative examples among 1000, i.e. a
+      strongly sparse gradient stream, so that AdaGrad's effective step count (≈ 50)
+      differs from the step count (1000) by more than an order of magnitude.
+    * Draws are taken in a fixed order (``z``, then the label uniforms, then the mask
+      uniforms), so with the same seed the non-sparsified values do not depend on
+      ``nonzero_fraction``. For a test set of non-sparsified samples, call with
+      ``nonzero_fraction=1.0`` and a *different* seed.
+
+    Args:
+        num_examples: number of examples ``n >= 1``.
+        nonzero_fraction: probability that an example keeps its ``x ≠ 0``, in ``[0, 1]``.
+        seed: seed of the private ``torch.Generator`` (``>= 0``).
+
+    Returns:
+        ``(x, y)``: ``x`` float32 of shape ``(n, 1)``; ``y`` int64 of shape ``(n,)`` in
+        ``{0, 1}``.
+    """
+    n = _check_int("num_examples", num_examples, minimum=1)
+    if (
+        isinstance(nonzero_fraction, bool)
+        or not isinstance(nonzero_fraction, numbers.Real)
+        or not math.isfinite(float(nonzero_fraction))
+        or not 0.0 <= float(nonzero_fraction) <= 1.0
+    ):
+        raise ValueError(f"nonzero_fraction must be a number in [0, 1], got {nonzero_fraction!r}")
+    fraction = float(nonzero_fraction)
+    gen = _generator(seed)
+
+    z = torch.randn((n, 1), generator=gen, dtype=torch.float32)
+    p_one = torch.sigmoid(SPARSE_LOGISTIC_TRUE_WEIGHT * z.squeeze(1).double())
+    y = (torch.rand(n, generator=gen, dtype=torch.float64) < p_one).to(torch.int64)
+    keep = torch.rand((n, 1), generator=gen, dtype=torch.float64) < fraction
+    x = torch.where(keep, z, torch.zeros((), dtype=torch.float32))
+    return x, y
