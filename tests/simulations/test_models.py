@@ -1,0 +1,120 @@
+"""Model shapes, parameter counts from the layer shapes, no BatchNorm, and per-example grads under vmap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from simulations.models import MODELS, barcode_cnn, cifar_cnn, linear_softmax, logistic_1d, w1_cnn
+
+
+def _conv(cin: int, cout: int, k: int) -> int:
+    return cout * cin * k * k + cout
+
+
+def _linear(fin: int, fout: int, bias: bool = True) -> int:
+    return fout * fin + (fout if bias else 0)
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# (factory, input shape, number of classes, parameter count computed from the layer shapes)
+CASES = {
+    "linear_softmax": (lambda: linear_softmax(20, 7), (20,), 7, _linear(20, 7, bias=False)),
+    "logistic_1d": (logistic_1d, (1,), 2, 1),
+    "cifar_cnn": (cifar_cnn, (3, 32, 32), 10,
+                  _conv(3, 32, 3) + _conv(32, 64, 3) + _conv(64, 128, 3) + _conv(128, 256, 3) + _conv(256, 10, 3)),
+    "barcode_cnn": (lambda: barcode_cnn(330), (28, 28), 330,
+                    _conv(1, 16, 8) + _conv(16, 32, 4) + _linear(32 * 4 * 4, 32) + _linear(32, 330)),
+    "w1_cnn": (w1_cnn, (3, 32, 32), 10, _conv(3, 16, 3) + _conv(16, 32, 3) + _linear(32 * 8 * 8, 10)),
+}
+
+
+def test_registry_names_every_model():
+    assert set(MODELS) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_output_shape_and_parameter_count(name):
+    factory, shape, classes, params = CASES[name]
+    torch.manual_seed(0)
+    model = factory()
+    out = model(torch.rand(5, *shape))
+    assert out.shape == (5, classes)
+    assert torch.isfinite(out).all()
+    assert _count(model) == params
+
+
+def test_documented_parameter_counts():
+    assert _count(w1_cnn()) == 25_578  # BENCHMARKS.md W1
+    assert _count(cifar_cnn()) == 411_466
+    assert _count(barcode_cnn(330)) == 36_570
+    assert _count(linear_softmax(9216, 255)) == 9216 * 255
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_no_batch_norm_or_other_cross_example_layers(name):
+    model = CASES[name][0]()
+    banned = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.Dropout)
+    assert not [m for m in model.modules() if isinstance(m, banned)]
+
+
+def test_barcode_cnn_accepts_images_with_or_without_channel_dim():
+    torch.manual_seed(0)
+    model = barcode_cnn(12)
+    x = torch.rand(3, 28, 28)
+    torch.testing.assert_close(model(x), model(x.unsqueeze(1)))
+    torch.testing.assert_close(model(x), model(x.reshape(3, 784)))
+
+
+def test_logistic_1d_cross_entropy_is_the_logistic_loss_and_ignores_zero_inputs():
+    model = logistic_1d(init=0.7)
+    x = torch.tensor([[1.5], [-2.0], [0.0]])
+    y = torch.tensor([1, 0, 1])
+    loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+    p = torch.sigmoid(0.7 * x.squeeze(1))
+    torch.testing.assert_close(loss, -(y * p.log() + (1 - y) * (1 - p).log()))
+    # an example with x = 0 contributes exactly zero gradient (no bias parameter)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x[2:]), y[2:]).backward()
+    assert model.linear.weight.grad.item() == 0.0
+    assert logistic_1d().linear.weight.item() == 0.0
+
+
+def test_linear_softmax_starts_at_uniform_loss():
+    model = linear_softmax(6, 5)
+    loss = nn.functional.cross_entropy(model(torch.rand(4, 6)), torch.tensor([0, 1, 2, 4]))
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(5.0)).item())
+    with pytest.raises(ValueError, match="activation"):
+        cifar_cnn(activation="swish")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_vmapped_per_example_gradients_equal_a_loop(name):
+    factory, shape, classes, _ = CASES[name]
+    torch.manual_seed(1)
+    model = factory()
+    if name in ("linear_softmax", "logistic_1d"):  # zero-initialized: move off the symmetric start
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    n = 3
+    x = torch.rand(n, *shape)
+    y = torch.randint(0, classes, (n,))
+
+    def loss(p, xi, yi):
+        logits = functional_call(model, p, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(logits, yi.unsqueeze(0))
+
+    per_example = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(n):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        for k, p in model.named_parameters():
+            assert per_example[k].shape == (n, *p.shape)
+            torch.testing.assert_close(per_example[k][i], p.grad, rtol=1e-4, atol=1e-6)
