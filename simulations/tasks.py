@@ -1,0 +1,149 @@
+"""Task builders: the seed papers' datasets partitioned by user, with the model each paper used.
+
+    build_task(name="heavy-tail", users=..., partition="iid", ...)   → simulations.task.Task
+
+| name | data | model | evaluated on |
+|---|---|---|---|
+| ``heavy-tail`` | seed 003 §3 synthetic heavy-tail classes (built in) | linear softmax | the training examples, per frequency group (a memorization task: inputs are independent of labels) |
+| ``sparse-logreg-1d`` | seed 000 §5.1-style 1-D sparse logistic regression (built in) | 1-D logistic | a held-out draw |
+| ``cifar10`` | ``cifar-10-batches-py`` from a local folder (seeds 001, 004) | 5-layer DP CNN | the test batch |
+| ``barcode-mnist`` | MNIST idx files from a local folder, seed 003 App. B | 2-conv CNN | a held-out split, per group |
+
+Users: ``users`` = N; ``partition`` = ``iid`` | ``dirichlet`` (``alpha``) | ``power-law`` (``exponent``) |
+``natural-id`` (where the data has ids). Every example belongs to exactly one user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from simulations import datasets, models, synthetic
+from simulations.partitioning import partition
+from simulations.task import Task, UserData
+
+
+def _split_users(x: torch.Tensor, y: torch.Tensor, users: int, scheme: str, seed: int, **kw: Any) -> list[UserData]:
+    parts = [torch.from_numpy(idx.astype("int64", copy=True)) for idx in partition(y.numpy(), users, scheme, seed=seed, **kw)]
+    return [UserData(x[idx], y[idx]) for idx in parts]
+
+
+def _partition_kwargs(partition_name: str, alpha: float | None, exponent: float | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if alpha is not None:
+        kwargs["alpha"] = alpha
+    if exponent is not None:
+        kwargs["exponent"] = exponent
+    return kwargs
+
+
+def heavy_tail_task(
+    *, groups: int = 8, largest: int = 1024, dim: int | None = None, users: int | None = None,
+    partition: str = "iid", alpha: float | None = None, exponent: float | None = None, seed: int = 0,
+) -> Task:
+    """Seed 003 §3: G frequency groups, group k has 2^k classes of L/2^k examples; linear softmax model.
+
+    Default N (``users``) = n/2: two examples per user on average. The paper measures how fast each
+    frequency group's training examples are fit, so evaluation is on the training examples, per group.
+    """
+    x, y, class_groups = synthetic.heavy_tail_data(groups=groups, largest=largest, dim=dim, seed=seed)
+    n, d = x.shape
+    num_classes = int(class_groups.numel())
+    users = n // 2 if users is None else users
+    return Task(
+        name="heavy-tail",
+        users=_split_users(x, y, users, partition, seed, **_partition_kwargs(partition, alpha, exponent)),
+        eval_data=UserData(x, y),
+        make_model=lambda: models.linear_softmax(d, num_classes),
+        num_classes=num_classes,
+        class_groups=class_groups,
+        description=f"heavy-tail (seed 003 §3): G={groups}, L={largest}, n={n}, c={num_classes}, d={d}, "
+                    f"N={users} users ({partition})",
+    )
+
+
+def sparse_logreg_task(
+    *, num_examples: int = 1000, nonzero_fraction: float = 0.05, users: int | None = None,
+    partition: str = "iid", seed: int = 0,
+) -> Task:
+    """Seed 000 §5.1-style 1-D sparse logistic regression (for the AdaGrad variants); one example per user."""
+    x, y = synthetic.sparse_logistic_1d(num_examples=num_examples, nonzero_fraction=nonzero_fraction, seed=seed)
+    x_eval, y_eval = synthetic.sparse_logistic_1d(num_examples=num_examples, nonzero_fraction=nonzero_fraction,
+                                                  seed=seed + 1)
+    users = num_examples if users is None else users
+    return Task(
+        name="sparse-logreg-1d",
+        users=_split_users(x, y, users, partition, seed),
+        eval_data=UserData(x_eval, y_eval),
+        make_model=models.logistic_1d,
+        num_classes=2,
+        description=f"sparse 1-D logistic regression: n={num_examples}, nonzero fraction {nonzero_fraction}, "
+                    f"N={users} users ({partition})",
+    )
+
+
+def cifar10_task(
+    *, root: str, users: int = 500, partition: str = "dirichlet", alpha: float | None = 0.5,
+    exponent: float | None = None, seed: int = 0,
+) -> Task:
+    """CIFAR-10 from a local ``cifar-10-batches-py`` folder (seeds 001, 004) with the 5-layer DP CNN."""
+    train_x, train_y, test_x, test_y = datasets.load_cifar10(root)
+    return Task(
+        name="cifar10",
+        users=_split_users(train_x, train_y, users, partition, seed,
+                           **_partition_kwargs(partition, alpha if partition == "dirichlet" else None, exponent)),
+        eval_data=UserData(test_x, test_y),
+        make_model=models.cifar_cnn,
+        num_classes=10,
+        description=f"CIFAR-10 ({root}): {len(train_y)} train / {len(test_y)} test, N={users} users ({partition})",
+    )
+
+
+def barcode_mnist_task(
+    *, root: str, users: int = 500, partition: str = "iid", alpha: float | None = None,
+    exponent: float | None = None, eval_fraction: float = 0.1, seed: int = 0,
+) -> Task:
+    """Barcode-MNIST (seed 003 App. B) built from local MNIST idx files, with the 2-conv CNN."""
+    train_x, train_y, _, _ = datasets.load_mnist(root)
+    x, y, class_groups = datasets.make_barcode_mnist(train_x, train_y, seed=seed)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    held = int(len(y) * eval_fraction)
+    eval_idx, train_idx = order[:held], order[held:]
+    num_classes = int(class_groups.numel())
+    return Task(
+        name="barcode-mnist",
+        users=_split_users(x[train_idx], y[train_idx], users, partition, seed,
+                           **_partition_kwargs(partition, alpha, exponent)),
+        eval_data=UserData(x[eval_idx], y[eval_idx]),
+        make_model=lambda: models.barcode_cnn(num_classes),
+        num_classes=num_classes,
+        class_groups=class_groups,
+        description=f"Barcode-MNIST ({root}): {len(train_idx)} train / {held} eval, c={num_classes}, "
+                    f"N={users} users ({partition})",
+    )
+
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "heavy-tail": heavy_tail_task,
+    "sparse-logreg-1d": sparse_logreg_task,
+    "cifar10": cifar10_task,
+    "barcode-mnist": barcode_mnist_task,
+}
+
+
+def build_task(name: str = "heavy-tail", **params: Any) -> Task:
+    """Build the named task; unknown names or parameters are errors that list the choices."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    try:
+        return TASKS[name](**params)
+    except TypeError as error:
+        raise ValueError(f"task {name!r}: {error}") from error
+
+
+def label_counts(task: Task) -> np.ndarray:
+    """Examples per class over all users (for reports and tests)."""
+    return np.bincount(torch.cat([u.y for u in task.users]).numpy(), minlength=task.num_classes)
