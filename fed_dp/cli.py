@@ -155,14 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message."""
     args = parser.parse_args(argv)
     try:
         args.run(args)
     except ValueError as error:
         parser.exit(2, f"fed-dp {args.command}: error: {error}\n")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The accounting commands alone (the installed ``fed-dp`` adds the simulation commands)."""
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":
