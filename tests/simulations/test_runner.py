@@ -1,0 +1,138 @@
+"""Runner and CLI: configs, overrides, results files, table, plots — on a tiny heavy-tail config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fed_dp.accounting import epsilon
+from simulations.cli import main
+from simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
+
+TINY = [
+    "task.groups=2", "task.largest=8", "task.users=16",
+    "privacy.expected-cohort=4", "privacy.rounds=3", "run.eval-every=1",
+    'run.optimizers=["dp-sgd","dp-adambc"]',
+]
+
+
+def _tiny(extra=()) -> dict:
+    return apply_overrides(load_config(None), TINY + list(extra))
+
+
+def test_default_config_is_a_valid_heavy_tail_comparison():
+    config = load_config(None)
+    assert config["task"]["name"] == "heavy-tail"
+    assert len(config["run"]["optimizers"]) >= 3
+    experiment = parse_experiment(config, num_users=config["task"]["users"])
+    assert experiment.calibrated_from == config["privacy"]["target-epsilon"]
+    assert epsilon(experiment.privacy) <= experiment.calibrated_from  # calibrated σ meets the target
+
+
+def test_overrides_parse_toml_values_and_reject_unknown_tables():
+    config = apply_overrides(load_config(None), ["privacy.rounds=7", 'privacy.sampler="all"', "local.lr=0.5"])
+    assert config["privacy"]["rounds"] == 7 and config["privacy"]["sampler"] == "all" and config["local"]["lr"] == 0.5
+    with pytest.raises(ValueError, match="unknown table"):
+        apply_overrides(config, ["model.width=3"])
+    with pytest.raises(ValueError, match="table.key=value"):
+        apply_overrides(config, ["rounds=3"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["privacy.num-users=5"], "task.users"),
+        (["privacy.noise-multiplier=1.0"], "not both"),
+        (['run.optimizers=["dp-lion"]'], "unknown optimizer"),
+        (["optimizers.dp-sgd.lr=-1.0"], "lr"),
+        (["run.colour=1"], "unknown \\[run\\]"),
+    ],
+)
+def test_invalid_configs_fail_before_training(extra, message):
+    config = _tiny(extra)
+    with pytest.raises(ValueError, match=message):
+        parse_experiment(config, num_users=16)
+
+
+def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
+    config = _tiny()
+    rows = run_experiment(config, tmp_path, progress=False, log=lambda *_: None)
+    assert [r["optimizer"] for r in rows] == ["dp-sgd", "dp-adambc"]
+    results = read_results(tmp_path)
+    experiment = parse_experiment(config, num_users=16)
+    for name, records in results.items():
+        assert [r["round"] for r in records] == [0, 1, 2]
+        for t, record in enumerate(records):
+            assert record["epsilon"] == pytest.approx(epsilon(experiment.privacy, t + 1))
+            assert {"group0_accuracy", "group1_accuracy", "eval_loss", "train_loss"} <= set(record)
+    assert "nu_hat_median" in results["dp-adambc"][-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[0]["epsilon"] == pytest.approx(epsilon(experiment.privacy))
+    assert json.loads((tmp_path / "config.json").read_text())["resolved"]["num_users"] == 16
+    table = format_table(rows)
+    assert "dp-adambc" in table and "group1" in table
+
+
+def test_noiseless_baseline_is_reported_not_private(tmp_path):
+    rows = run_experiment(_tiny(['run.optimizers=["noiseless-adam"]']), tmp_path, progress=False, log=lambda *_: None)
+    assert rows[0]["epsilon"] == "not private"
+    assert "not private" in format_table(rows)
+
+
+def test_cli_simulate_and_plot_write_table_results_and_pngs(tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = [arg for item in TINY for arg in ("--set", item)]
+    assert main(["simulate", *sets, "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "optimizer" in printed and "dp-adambc" in printed
+    for name in ("metrics.png", "groups.png", "second_moment.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = tmp_path / "figs"
+    assert main(["plot", str(out), "--out", str(figures)]) == 0
+    assert (figures / "metrics.png").exists()
+
+
+def test_cli_compare_takes_the_optimizer_list(tmp_path, capsys):
+    sets = [arg for item in TINY for arg in ("--set", item)]
+    assert main(["compare", *sets, "--optimizers", "dp-sgdm,dp-adam", "--out", str(tmp_path), "--quiet", "--no-plot"]) == 0
+    assert sorted(read_results(tmp_path)) == ["dp-adam", "dp-sgdm"]
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "no-such-config"])
+    assert exit_.value.code == 2 and "built-in configs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path)])
+    assert "rounds-" in capsys.readouterr().err
+
+
+def _builtin_configs() -> list[str]:
+    from importlib import resources
+
+    return sorted(p.name[:-5] for p in (resources.files("simulations") / "configs").iterdir() if p.name.endswith(".toml"))
+
+
+@pytest.mark.parametrize("name", _builtin_configs())
+def test_every_builtin_config_parses(name):
+    config = load_config(name)
+    experiment = parse_experiment(config, num_users=config["task"]["users"])
+    assert experiment.optimizers and experiment.privacy.rounds >= 1
+
+
+SYNTHETIC = [n for n in _builtin_configs() if load_config(n)["task"]["name"] in ("heavy-tail", "sparse-logreg-1d")]
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_builtin_configs_train_a_few_rounds(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path / "cache"))
+    config = load_config(name)
+    rounds = max(2, config["privacy"].get("bands", 1))  # BandMF needs T >= b
+    shrink = [f"privacy.rounds={rounds}", "run.eval-every=1"]
+    if config["task"]["name"] == "heavy-tail":
+        shrink += ["task.groups=2", "task.largest=8", "task.users=16", "privacy.expected-cohort=2"]
+    else:
+        shrink += ["task.num-examples=40", "task.users=40", "privacy.expected-cohort=4"]
+    rows = run_experiment(apply_overrides(config, shrink), tmp_path, progress=False, log=lambda *_: None)
+    assert len(rows) == len(config["run"]["optimizers"])
