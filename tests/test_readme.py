@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fed_dp.cli import main
+from simulations.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -56,11 +56,33 @@ def test_readme_example_output_is_reproduced(command, expected, capsys):
     assert status == (2 if "error:" in expected else 0)
 
 
-def test_main_job_command_runs(capsys):
+def _readme_table() -> dict[str, list[str]]:
+    """The table printed under the Simulations section: optimizer -> its cells."""
+    section = README[README.index("## Simulations"):]
+    block = re.search(r"```\n(optimizer .*?)```", section, flags=re.S).group(1)
+    lines = block.strip().split("\n")
+    return {line.split()[0]: line.split() for line in lines[2:]}
+
+
+def test_main_job_command_runs_and_reproduces_the_readme_table(tmp_path, capsys):
+    """The first set-up command ends with `fed-dp simulate`; run it (into tmp_path) and compare.
+
+    ε must match exactly (accounting is deterministic); accuracy to 0.02, allowing for floating-point
+    differences between machines in 200 rounds of training.
+    """
     main_job = _bash_commands()[0]
     assert main_job.startswith("python3 -m venv .venv")
-    status, output = _run(main_job.split("&&")[-1].strip(), capsys)
-    assert status == 0 and "user-level epsilon" in output
+    command = main_job.split("&&")[-1].strip()
+    assert command == "fed-dp simulate"
+    status, output = _run(f"{command} --out {tmp_path} --quiet --no-plot", capsys)
+    assert status == 0
+    printed = {line.split()[0]: line.split() for line in output.split("\n") if line.startswith("dp-")}
+    expected = _readme_table()
+    assert sorted(printed) == sorted(expected)
+    for name, cells in expected.items():
+        assert printed[name][1] == cells[1]  # epsilon
+        for column in range(2, len(cells) - 1):  # accuracy, loss, per-group accuracy
+            assert abs(float(printed[name][column]) - float(cells[column])) < 0.02, (name, column)
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
