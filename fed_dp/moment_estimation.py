@@ -27,17 +27,13 @@ import torch
 from fed_dp.config import PrivacyConfig
 from fed_dp.noise import Privatizer, make_strategy
 from fed_dp.sampling import NeighboringRelation, neighboring_relation
+from fed_dp.validation import check_positive as _check_positive
 
 #: α²ζ² up to which the second moment is free under replace-one adjacency, in one dimension: the largest a
 #: with max_{u,u'∈[−1,1]} (u−u')²·(1 + a(u+u')²) = 4, solved numerically (tests re-derive it by search).
 FREE_THRESHOLD_1D = 2.7725
 #: The same threshold for d ≥ 2: the worst pair u = ζ(c, −s), u' = ζ(−s, c) gives ζ²(2 + 2a + 1/(2a)), = 4ζ² at a = 1/2.
 FREE_THRESHOLD_MULTI_D = 0.5
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def free_threshold(dim: int) -> float:

@@ -35,6 +35,7 @@ import torch
 
 from fed_dp.context import require_simulation
 from fed_dp.diagnostics import second_moment_summary
+from fed_dp.validation import check_positive as _positive
 
 SECOND_MOMENTS = ("noisy", "independent", "clean")
 
@@ -84,13 +85,6 @@ class OptimizerState(NamedTuple):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-def _positive(name: str, value: float) -> None:
-    _require(
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-        f"{name} must be a finite number > 0, got {value!r}",
-    )
 
 
 def _decay(name: str, value: float) -> None:

@@ -55,6 +55,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fed_dp.validation import check_int as _check_int
+
 __all__ = ["SCHEMES", "partition", "partition_sizes", "power_law_sizes"]
 
 #: The partitioning schemes accepted by :func:`partition`.
@@ -76,14 +78,6 @@ def _as_1d_array(name: str, values: Any) -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
     return array
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_real(name: str, value: object, *, positive: bool) -> float:

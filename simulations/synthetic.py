@@ -21,6 +21,8 @@ import numbers
 
 import torch
 
+from fed_dp.validation import check_int as _check_int
+
 __all__ = [
     "SPARSE_LOGISTIC_TRUE_WEIGHT",
     "heavy_tail_class_sizes",
@@ -30,15 +32,6 @@ __all__ = [
 
 #: Ground-truth weight ``w*`` of :func:`sparse_logistic_1d`: ``P(y = 1 | x) = sigmoid(w* x)``.
 SPARSE_LOGISTIC_TRUE_WEIGHT: float = 1.0
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    """Return ``value`` as an ``int`` or raise ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
 
 
 def _generator(seed: object) -> torch.Generator:

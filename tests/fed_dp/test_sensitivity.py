@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from fed_dp.config import PrivacyConfig
 from fed_dp.sampling import make_sampler
@@ -49,7 +48,7 @@ def max_pattern_bound(X, rounds, separation, max_size):
 
 def dense_gram(strategy) -> np.ndarray:
     C = strategy.dense().numpy()
-    T, b = strategy.rounds, strategy.bands
+    _T, b = strategy.rounds, strategy.bands
     # The object under test is what the bound assumes: lower-triangular, b-banded, unit columns.
     assert np.allclose(np.triu(C, 1), 0) and np.allclose(np.tril(C, -b), 0)
     assert np.all(np.diag(C) > 0)

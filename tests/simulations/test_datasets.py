@@ -132,7 +132,7 @@ def _mnist_files(folder: Path, n_train: int = 7, n_test: int = 4, gz: bool = Fal
     }
     names = {"train": "train", "test": "t10k"}
     for split, (images, labels) in arrays.items():
-        for suffix, blob in ((f"images-idx3-ubyte", _idx_images(images)), (f"labels-idx1-ubyte", _idx_labels(labels))):
+        for suffix, blob in (("images-idx3-ubyte", _idx_images(images)), ("labels-idx1-ubyte", _idx_labels(labels))):
             name = f"{names[split]}-{suffix}"
             if gz:
                 (folder / (name + ".gz")).write_bytes(gzip.compress(blob))

@@ -1,0 +1,22 @@
+"""Argument checks shared across the project: each raises ValueError with a message naming the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value`` as an int, if it is an integer (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` as a float, if it is a finite real number (not a bool) > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
