@@ -105,10 +105,16 @@ def cifar10_task(
 def barcode_mnist_task(
     *, root: str, users: int = 500, partition: str = "iid", alpha: float | None = None,
     exponent: float | None = None, eval_fraction: float = 0.1, seed: int = 0,
+    groups: list[list[int]] | None = None,
 ) -> Task:
-    """Barcode-MNIST (seed 003 App. B) built from local MNIST idx files, with the 2-conv CNN."""
+    """Barcode-MNIST (seed 003 App. B) built from local MNIST idx files, with the 2-conv CNN.
+
+    ``groups``: [[barcodes, examples per class], ...] from most to least frequent (default:
+    ``datasets.BARCODE_MNIST_GROUPS``); smaller groups give a smaller task.
+    """
     train_x, train_y, _, _ = datasets.load_mnist(root)
-    x, y, class_groups = datasets.make_barcode_mnist(train_x, train_y, seed=seed)
+    group_spec = datasets.BARCODE_MNIST_GROUPS if groups is None else tuple(tuple(g) for g in groups)
+    x, y, class_groups = datasets.make_barcode_mnist(train_x, train_y, groups=group_spec, seed=seed)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     held = int(len(y) * eval_fraction)
     eval_idx, train_idx = order[:held], order[held:]
