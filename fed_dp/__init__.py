@@ -14,6 +14,8 @@ Modules follow ALGORITHMS.md:
     moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation
     diagnostics        ν̂ / ν̂ − Φ̂ summaries and update alignment (the seeds' figures)
     context            simulation vs deployment; non-private baselines only in simulations
+    round              the one private round: init_server, begin_round, finish_round (every engine)
+    validation         shared argument checks
 """
 
 __version__ = "0.1.0"
