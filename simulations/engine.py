@@ -13,118 +13,25 @@ denominator, the optimizer and the accounting all happen in ``fed_dp.round``; no
 re-implemented here. This is the simple, sequential path (correct first); the fast-engine issue vectorizes
 local training without changing what is computed.
 
-Local training uses a generator seeded from (seed, round, user id), so a run is reproducible and another
-engine can reproduce the same local updates.
+Local training and clipping live in ``clients.training``, shared with the Flower ClientApp.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fed_dp.clipping import clip_scaled, clip_update
+from clients.training import LocalTraining, users_contribution
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer
-from fed_dp.round import Contribution, RoundPlan, ServerState, begin_round, finish_round, init_server
-from simulations.task import Task, UserData
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocalTraining:
-    """Local SGD of one user: ``epochs`` passes over its data in shuffled minibatches of ``batch_size``."""
-
-    epochs: int = 1
-    batch_size: int = 16
-    lr: float = 0.1
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.epochs, int) and self.epochs >= 1):
-            raise ValueError(f"local epochs must be an integer >= 1, got {self.epochs!r}")
-        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
-            raise ValueError(f"local batch_size must be an integer >= 1, got {self.batch_size!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"local lr must be a finite number > 0, got {self.lr!r}")
-
-
-def user_generator(seed: int, round_index: int, user_id: int) -> torch.Generator:
-    """The generator of user ``user_id``'s local training in round ``round_index`` (stable mixing)."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + round_index * 0xBF58476D1CE4E5B9 + user_id * 0x94D049BB133111EB)
-    return torch.Generator().manual_seed(mixed % (2**63 - 1))
-
-
-def local_delta(
-    model: nn.Module,
-    layout: ParamLayout,
-    params: torch.Tensor,
-    data: UserData,
-    training: LocalTraining,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, float]:
-    """Δ_i = θ_i − θ_{t−1} after local SGD from ``params``; also the mean training loss seen."""
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in layout.unflatten(params).items():
-            named[name].copy_(value)
-    losses = []
-    n = len(data)
-    for _ in range(training.epochs):
-        order = torch.randperm(n, generator=generator)
-        for start in range(0, n, training.batch_size):
-            batch = order[start : start + training.batch_size]
-            model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(data.x[batch]), data.y[batch])
-            loss.backward()
-            loss = loss.detach()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= training.lr * p.grad
-            losses.append(loss.item())
-    trained = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
-    return trained - params, (sum(losses) / len(losses)) if losses else math.nan
-
-
-def cohort_contribution(
-    plan: RoundPlan,
-    task: Task,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    seed: int,
-) -> tuple[Contribution, dict[str, float]]:
-    """Train every sampled user, clip each update in the plan's geometry, return their sum and count."""
-    total = torch.zeros_like(plan.params)
-    squares = torch.zeros_like(plan.params) if plan.send_squares else None
-    losses, norms, clipped = [], [], 0
-    for user_id in plan.cohort.tolist():
-        delta, loss = local_delta(
-            model, layout, plan.params, task.users[user_id], training, user_generator(seed, plan.round, user_id)
-        )
-        result = (
-            clip_update(delta, plan.clip_norm)
-            if plan.scale is None
-            else clip_scaled(delta, plan.scale, plan.clip_norm)
-        )
-        total += result.update
-        if squares is not None:
-            squares += result.update.square()
-        losses.append(loss)
-        norms.append(result.norm)
-        clipped += result.clipped
-    count = plan.cohort.numel()
-    metrics = {
-        "train_loss": sum(losses) / count if count else math.nan,
-        "mean_update_norm": sum(norms) / count if count else math.nan,
-        "fraction_clipped": clipped / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source="simulation"), metrics
+from fed_dp.round import ServerState, begin_round, finish_round, init_server
+from simulations.task import Task
 
 
 @torch.no_grad()
@@ -180,7 +87,11 @@ def run(
         state = init_server(privacy, optimizer, layout.flatten(dict(model.named_parameters())), seed=seed)
         for t in range(privacy.rounds):
             plan = begin_round(state)
-            contribution, train_metrics = cohort_contribution(plan, task, model, layout, training, seed)
+            contribution, train_metrics = users_contribution(
+                [(u, task.users[u]) for u in plan.cohort.tolist()], params=plan.params, round_index=plan.round,
+                clip_norm=plan.clip_norm, scale=plan.scale, send_squares=plan.send_squares, model=model,
+                layout=layout, training=training, seed=seed, source="simulation",
+            )
             state, metrics = finish_round(state, plan, [contribution])
             record = {**metrics, **train_metrics}
             if (t + 1) % eval_every == 0 or t + 1 == privacy.rounds:

@@ -33,7 +33,8 @@ from fed_dp.accounting import calibrate_noise_multiplier, epsilon
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import OPTIMIZERS, make_optimizer
-from simulations.engine import LocalTraining, run
+from clients.training import LocalTraining
+from simulations.engine import run
 from simulations.tasks import build_task
 
 TABLES = ("task", "privacy", "local", "run", "optimizers")

@@ -13,7 +13,8 @@ from fed_dp.clipping import clip_update
 from fed_dp.config import PrivacyConfig
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
-from simulations.engine import LocalTraining, local_delta, run, user_generator
+from clients.training import LocalTraining, local_delta, user_generator
+from simulations.engine import run
 from simulations.task import Task, UserData
 
 

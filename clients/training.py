@@ -1,0 +1,120 @@
+"""Local training on a user's data and the clipped contribution a node sends (ALGORITHMS §1).
+
+For each sampled user i hosted here:
+
+    Δ_i = θ_i − θ_{t−1}   after local SGD from the broadcast θ_{t−1} on user i's data
+    u_i = clip(Δ_i, ζ)    or clip(s_t ⊙ Δ_i, ζ) for scale-then-privatize (the broadcast s_t)
+
+and the node replies with Σ u_i, the count, and Σ u_i² when the server's optimizer asks for squares
+(independent moment estimation). Users are trained one at a time here; the fast engine vectorizes this.
+The same code runs in the Flower ClientApp (one node, its users) and in the in-process simulation engine
+(one node hosting every user), so both engines compute the same contributions.
+
+Local training uses a generator seeded from (seed, round, user id), so a run is reproducible and another
+engine reproduces the same local updates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fed_dp.clipping import clip_scaled, clip_update
+from fed_dp.flat import ParamLayout
+from fed_dp.round import Contribution
+from simulations.task import UserData
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTraining:
+    """Local SGD of one user: ``epochs`` passes over its data in shuffled minibatches of ``batch_size``."""
+
+    epochs: int = 1
+    batch_size: int = 16
+    lr: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.epochs, int) and self.epochs >= 1):
+            raise ValueError(f"local epochs must be an integer >= 1, got {self.epochs!r}")
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"local batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"local lr must be a finite number > 0, got {self.lr!r}")
+
+
+def user_generator(seed: int, round_index: int, user_id: int) -> torch.Generator:
+    """The generator of user ``user_id``'s local training in round ``round_index`` (stable mixing)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + round_index * 0xBF58476D1CE4E5B9 + user_id * 0x94D049BB133111EB)
+    return torch.Generator().manual_seed(mixed % (2**63 - 1))
+
+
+def local_delta(
+    model: nn.Module,
+    layout: ParamLayout,
+    params: torch.Tensor,
+    data: UserData,
+    training: LocalTraining,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, float]:
+    """Δ_i = θ_i − θ_{t−1} after local SGD from ``params``; also the mean training loss seen."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in layout.unflatten(params).items():
+            named[name].copy_(value)
+    losses = []
+    n = len(data)
+    for _ in range(training.epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, training.batch_size):
+            batch = order[start : start + training.batch_size]
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(data.x[batch]), data.y[batch])
+            loss.backward()
+            loss = loss.detach()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= training.lr * p.grad
+            losses.append(loss.item())
+    trained = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
+    return trained - params, (sum(losses) / len(losses)) if losses else math.nan
+
+
+def users_contribution(
+    users: Sequence[tuple[int, UserData]],
+    *,
+    params: torch.Tensor,
+    round_index: int,
+    clip_norm: float,
+    scale: torch.Tensor | None,
+    send_squares: bool,
+    model: nn.Module,
+    layout: ParamLayout,
+    training: LocalTraining,
+    seed: int,
+    source: str = "",
+) -> tuple[Contribution, dict[str, float]]:
+    """Train each (user id, data), clip its update in the broadcast geometry; return Σu, count (and Σu²)."""
+    total = torch.zeros_like(params)
+    squares = torch.zeros_like(params) if send_squares else None
+    losses, norms, clipped = [], [], 0
+    for user_id, data in users:
+        delta, loss = local_delta(model, layout, params, data, training, user_generator(seed, round_index, user_id))
+        result = clip_update(delta, clip_norm) if scale is None else clip_scaled(delta, scale, clip_norm)
+        total += result.update
+        if squares is not None:
+            squares += result.update.square()
+        losses.append(loss)
+        norms.append(result.norm)
+        clipped += result.clipped
+    count = len(users)
+    metrics = {
+        "train_loss": sum(losses) / count if count else math.nan,
+        "mean_update_norm": sum(norms) / count if count else math.nan,
+        "fraction_clipped": clipped / count if count else math.nan,
+    }
+    return Contribution(total, count, squares, source=source), metrics
