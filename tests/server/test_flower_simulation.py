@@ -84,3 +84,23 @@ def test_kill_and_resume_reaches_the_same_model_with_a_continued_ledger(tmp_path
     assert torch.equal(resumed["params"], uninterrupted["params"])
     assert resumed["ledger"] == uninterrupted["ledger"] and len(resumed["ledger"]["records"]) == rounds
     assert [r["epsilon"] for r in _results(interrupted)] == [r["epsilon"] for r in _results(straight)]
+
+
+def test_the_readme_flwr_run_command_works_and_prints_epsilon(tmp_path):
+    """`flwr run .` exactly as the README shows it (out of the box: built-in synthetic task, default config)."""
+    import re
+    import subprocess
+
+    readme = (flower_run.REPO / "README.md").read_text()
+    section = readme[readme.index("## Running with Flower"):]
+    command = re.search(r"```bash\n(FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 flwr run \. --stream[^\n]*)\n```", section).group(1)
+    home = tmp_path / "home"
+    try:
+        done = subprocess.run(["bash", "-c", command], cwd=flower_run.REPO, env=flower_run.flwr_env(home),
+                              capture_output=True, text=True, timeout=240)
+    finally:
+        flower_run.stop_local_superlink(home)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0
+    assert re.search(r"round 5/5: cohort \d+, replied \d+, epsilon 4\.4001", output), output[-3000:]
+    assert "fed-dp finished: 5 rounds" in output
