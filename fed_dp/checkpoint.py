@@ -12,12 +12,12 @@ noise vector) and draws the same cohorts the uninterrupted run would have drawn.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fed_dp.atomic import write_atomically
 from fed_dp.round import ServerState
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -27,21 +27,8 @@ VERSION = 1
 
 def save_checkpoint(state: ServerState, folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
     """Write ``folder/checkpoint.pt`` atomically; ``extra`` holds engine data (e.g. the metrics so far)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / CHECKPOINT_NAME
     payload = {"format": FORMAT, "version": VERSION, "state": state.state_dict(), "extra": extra or {}}
-    handle = tempfile.NamedTemporaryFile(dir=folder, prefix=CHECKPOINT_NAME + ".", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(Path(folder) / CHECKPOINT_NAME, lambda handle: torch.save(payload, handle))
 
 
 def load_checkpoint(folder: str | os.PathLike) -> dict[str, Any] | None:

@@ -26,13 +26,14 @@ import functools
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from fed_dp.atomic import write_atomically
 
 __all__ = [
     "BandedStrategy",
@@ -558,17 +559,7 @@ def _minimize_toeplitz_loss(rounds: int, bands: int, momentum: float, max_iter: 
 
 
 def _write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            json.dump(payload, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda handle: handle.write(json.dumps(payload, indent=1).encode("utf-8")))
 
 
 def _cache_header(rounds: int, bands: int, momentum: float) -> dict[str, Any]:
