@@ -24,6 +24,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fed_dp.accounting import BudgetExceededError
 from fed_dp.checkpoint import resume, save_checkpoint
 from fed_dp.round import Contribution, RoundPlan, ServerState, begin_round, finish_round
 
@@ -129,7 +130,11 @@ def run(
             records = list(extra.get("records", []))
             log.info("resumed from %s at round %d (ε so far %.4g)", checkpoint_dir, state.round, state.ledger.epsilon)
     while state.round < state.config.rounds:
-        plan = begin_round(state)  # raises BudgetExceededError before sampling a round over budget
+        try:
+            plan = begin_round(state)  # refuses, before sampling, a round that would exceed the budget
+        except BudgetExceededError as refusal:
+            log.error("fed-dp stopped before round %d: %s", state.round + 1, refusal)
+            break
         messages, by_node, unreachable = train_messages(plan, owner, seed)
         replies = list(grid.send_and_receive(messages, timeout=reply_timeout)) if messages else []
         received, problems = contributions(replies, by_node, state.params.dtype)

@@ -104,3 +104,16 @@ def test_the_readme_flwr_run_command_works_and_prints_epsilon(tmp_path):
     assert done.returncode == 0
     assert re.search(r"round 5/5: cohort \d+, replied \d+, epsilon 4\.4001", output), output[-3000:]
     assert "fed-dp finished: 5 rounds" in output
+
+
+def test_a_round_over_the_epsilon_budget_is_refused_and_the_run_ends_cleanly(tmp_path):
+    out = tmp_path / "ckpt"
+    config = {**RUN, "privacy.rounds": 5, "privacy.epsilon-budget": 3.5, "server.checkpoint-dir": str(out)}
+    privacy = parse_app_config(config).experiment.privacy
+    allowed = max(t for t in range(1, 6) if epsilon(privacy, t) <= 3.5)
+    assert allowed < 5  # the budget really binds
+    log = flower_run.run(tmp_path / "home", config, supernodes=2)
+    assert f"fed-dp stopped before round {allowed + 1}" in log and "above the budget" in log
+    records = _results(out)
+    assert len(records) == allowed and records[-1]["epsilon"] <= 3.5
+    assert load_checkpoint(out)["state"]["round"] == allowed
