@@ -108,3 +108,14 @@ def test_local_training_validation():
     for kwargs in ({"epochs": 0}, {"batch_size": 0}, {"lr": -1.0}):
         with pytest.raises(ValueError):
             LocalTraining(**kwargs)
+
+
+def test_vectorized_engine_run_matches_the_sequential_one():
+    task, privacy = _task(), _privacy(rounds=3)
+    sequential, records_s = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
+                                seed=4, vectorized=False)
+    vectorized, records_v = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
+                                seed=4, vectorized=True)
+    assert {r["vectorized"] for r in records_s} == {0.0} and {r["vectorized"] for r in records_v} == {1.0}
+    torch.testing.assert_close(vectorized.params, sequential.params, rtol=1e-4, atol=1e-5)
+    assert [r["epsilon"] for r in records_v] == [r["epsilon"] for r in records_s]

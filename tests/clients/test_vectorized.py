@@ -1,0 +1,237 @@
+"""The vectorized path (clients.vectorized) computes the sequential path's contributions (clients.training).
+
+Both paths run the same local SGD (same per-user generator, minibatch order, mean cross-entropy per batch,
+p −= lr·grad) and the same clip; they differ only in float32 rounding: batched kernels (grouped
+convolutions, batched matmuls) and the order of the sum over users. Stated tolerance: every coordinate
+agrees within RTOL = 1e-4 relative plus ATOL = 1e-5 · (‖u‖₂ + 1e-3) absolute (a per-user update of norm 1
+agrees to 1e-5 per coordinate); norms and losses within 1e-4 relative; counts and clip bits exactly
+(ζ is either far below or far above every update norm, so no norm sits within rounding of ζ).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from clients import training as seq
+from clients import vectorized as vec
+from clients.training import LocalTraining
+from fed_dp.flat import ParamLayout
+from simulations.models import linear_softmax, w1_cnn
+from simulations.synthetic import heavy_tail_data
+from simulations.task import UserData
+
+RTOL = 1e-4
+ATOL = 1e-5
+ACTIVE, INACTIVE = 1e-3, 1e6  # ζ: every update clipped / none clipped
+
+
+def _flat(model: nn.Module) -> tuple[ParamLayout, torch.Tensor]:
+    named = {k: v.detach() for k, v in model.named_parameters()}
+    layout = ParamLayout.from_state_dict(named)
+    return layout, layout.flatten(named)
+
+
+def _linear_setup():
+    """Heavy-tail data (G = 3, L = 16: 48 examples, d = 64, 7 classes) split into users of 1..9 examples."""
+    x, y, _ = heavy_tail_data(groups=3, largest=16, seed=0)
+    sizes = [1, 2, 2, 3, 5, 5, 7, 9, 5, 9]  # 48 examples, 6 distinct sizes
+    users, start = [], 0
+    for user_id, n in enumerate(sizes):
+        users.append((100 + user_id, UserData(x[start : start + n], y[start : start + n])))
+        start += n
+    torch.manual_seed(0)
+    model = linear_softmax(64, 7, bias=True, zero_init=False)
+    return model, users, LocalTraining(epochs=2, batch_size=3, lr=0.5)
+
+
+def _w1_setup():
+    """W1's CNN on small random CIFAR-shaped users of 3, 5, 5 and 7 examples."""
+    g = torch.Generator().manual_seed(1)
+    users = [(7 + i, UserData(torch.rand(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)))
+             for i, n in enumerate([5, 3, 7, 5])]
+    torch.manual_seed(0)
+    return w1_cnn(), users, LocalTraining(epochs=2, batch_size=2, lr=0.05)
+
+
+SETUPS = {"linear_softmax": _linear_setup, "w1_cnn": _w1_setup}
+
+
+def _kwargs(model, training, *, clip_norm, stp, send_squares=True, seed=5):
+    layout, params = _flat(model)
+    scale = None
+    if stp:  # a broadcast s_t = 1/(sqrt(ν̂) + ε): positive, spread over two orders of magnitude
+        scale = torch.exp(torch.randn(layout.size, generator=torch.Generator().manual_seed(2)))
+    return {"params": params, "round_index": 3, "clip_norm": clip_norm, "scale": scale,
+            "send_squares": send_squares, "model": model, "layout": layout, "training": training, "seed": seed}
+
+
+def _assert_updates_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = float(torch.linalg.vector_norm(expected)) + 1e-3
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL * scale)
+
+
+def _assert_same(vectorized, sequential) -> None:
+    (cv, mv), (cs, ms) = vectorized, sequential
+    assert cv.count == cs.count
+    assert cv.source == cs.source
+    _assert_updates_close(cv.total, cs.total)
+    if cs.total_squares is None:
+        assert cv.total_squares is None
+    else:
+        _assert_updates_close(cv.total_squares, cs.total_squares)
+    assert mv.keys() == ms.keys()
+    assert mv["fraction_clipped"] == ms["fraction_clipped"]
+    for key in ("train_loss", "mean_update_norm"):
+        assert mv[key] == pytest.approx(ms[key], rel=RTOL)
+
+
+CASES = [(name, clip, stp) for name in SETUPS for clip in (ACTIVE, INACTIVE) for stp in (False, True)]
+
+
+@pytest.mark.parametrize(("setup", "clip_norm", "stp"), CASES)
+def test_every_user_gets_the_sequential_clipped_update(setup, clip_norm, stp):
+    """Per user (a cohort of one): the same u_i, u_i², norm, clip bit and loss."""
+    model, users, training = SETUPS[setup]()
+    kwargs = _kwargs(model, training, clip_norm=clip_norm, stp=stp)
+    for user in users:
+        _assert_same(vec.users_contribution([user], **kwargs), seq.users_contribution([user], **kwargs))
+
+
+@pytest.mark.parametrize(("setup", "clip_norm", "stp"), CASES)
+def test_a_cohort_of_several_sizes_gets_the_sequential_sum_count_and_squares(setup, clip_norm, stp):
+    model, users, training = SETUPS[setup]()
+    kwargs = _kwargs(model, training, clip_norm=clip_norm, stp=stp)
+    vectorized = vec.users_contribution(users, source="node", **kwargs)
+    _assert_same(vectorized, seq.users_contribution(users, source="node", **kwargs))
+    assert vectorized[1]["fraction_clipped"] == (1.0 if clip_norm == ACTIVE else 0.0)
+    if clip_norm == ACTIVE:  # every clipped u_i has norm ζ, so ‖Σu‖ ≤ Bζ and Σ‖u‖² = Bζ²
+        assert float(vectorized[0].total_squares.sum()) == pytest.approx(len(users) * ACTIVE**2, rel=1e-4)
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_chunking_does_not_change_the_result(setup):
+    model, users, training = SETUPS[setup]()
+    kwargs = _kwargs(model, training, clip_norm=1.0, stp=True)
+    whole = vec.users_contribution(users, chunk_size=256, **kwargs)
+    for chunk_size in (1, 2):
+        _assert_same(vec.users_contribution(users, chunk_size=chunk_size, **kwargs), whole)
+    _assert_same(whole, seq.users_contribution(users, **kwargs))
+
+
+def test_without_squares_no_squares_are_sent():
+    model, users, training = _linear_setup()
+    kwargs = _kwargs(model, training, clip_norm=1.0, stp=False, send_squares=False)
+    vectorized = vec.users_contribution(users, **kwargs)
+    assert vectorized[0].total_squares is None
+    _assert_same(vectorized, seq.users_contribution(users, **kwargs))
+
+
+def test_empty_cohort_and_a_user_without_examples():
+    model, users, training = _linear_setup()
+    kwargs = _kwargs(model, training, clip_norm=1.0, stp=False)
+    empty, metrics = vec.users_contribution([], **kwargs)
+    assert empty.count == 0 and not bool(empty.total.any()) and not bool(empty.total_squares.any())
+    assert all(math.isnan(v) for v in metrics.values())
+    no_data = (55, UserData(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long)))
+    cohort = [users[0], no_data, users[4]]
+    (cv, mv), (cs, ms) = vec.users_contribution(cohort, **kwargs), seq.users_contribution(cohort, **kwargs)
+    assert cv.count == cs.count == 3
+    _assert_updates_close(cv.total, cs.total)
+    assert math.isnan(mv["train_loss"]) and math.isnan(ms["train_loss"])  # as sequentially: no loss seen
+
+
+class _Normed(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = norm
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.norm(self.conv(x))).flatten(1))
+
+
+def _normed_users():
+    g = torch.Generator().manual_seed(3)
+    return [(i, UserData(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)))
+            for i, n in enumerate([4, 6, 4])]
+
+
+@pytest.mark.parametrize("norm", [nn.GroupNorm(2, 4), nn.LayerNorm([4, 8, 8])], ids=["GroupNorm", "LayerNorm"])
+def test_group_and_layer_norm_are_vectorized(norm):
+    torch.manual_seed(0)
+    model = _Normed(norm)
+    assert vec.can_vectorize(model) == (True, "")
+    kwargs = _kwargs(model, LocalTraining(epochs=2, batch_size=3, lr=0.1), clip_norm=0.5, stp=False)
+    result, metrics, path = vec.contribution(_normed_users(), **kwargs)
+    assert path == "vectorized"
+    _assert_same((result, metrics), seq.users_contribution(_normed_users(), **kwargs))
+
+
+def test_batchnorm_is_rejected_with_the_reason():
+    torch.manual_seed(0)
+    model = _Normed(nn.BatchNorm2d(4))
+    ok, reason = vec.can_vectorize(model)
+    assert not ok and "BatchNorm2d" in reason and "leak" in reason
+    kwargs = _kwargs(model, LocalTraining(batch_size=2), clip_norm=1.0, stp=False)
+    with pytest.raises(ValueError, match="BatchNorm.*statistics.*leak"):
+        vec.users_contribution(_normed_users(), **kwargs)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        vec.contribution(_normed_users(), vectorized=True, **kwargs)
+    # auto: the sequential path runs (users trained one at a time) and says so
+    result, metrics, path = vec.contribution(_normed_users(), **kwargs)
+    assert path == "sequential"
+    assert vec.select_path(model) == ("sequential", reason)
+    torch.manual_seed(0)
+    fresh = _Normed(nn.BatchNorm2d(4))
+    expected, expected_metrics = seq.users_contribution(_normed_users(), **{**kwargs, "model": fresh})
+    assert torch.equal(result.total, expected.total) and metrics == expected_metrics
+
+
+def test_active_dropout_falls_back_and_eval_mode_vectorizes():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4), nn.Dropout(0.5), nn.Linear(4, 3))
+    ok, reason = vec.can_vectorize(model)
+    assert not ok and "dropout" in reason
+    model.eval()
+    assert vec.can_vectorize(model) == (True, "")
+    assert vec.can_vectorize(nn.Linear(3, 2).double())[0] is False  # the flat update is float32
+
+
+def test_dispatcher_reports_the_path_and_the_forced_sequential_path_is_the_sequential_code():
+    model, users, training = _linear_setup()
+    kwargs = _kwargs(model, training, clip_norm=1.0, stp=True)
+    result, metrics, path = vec.contribution(users, **kwargs)
+    assert path == "vectorized"
+    assert all(isinstance(v, float) for v in metrics.values())  # ready for a Flower MetricRecord
+    _assert_same((result, metrics), seq.users_contribution(users, **kwargs))
+    result, metrics, path = vec.contribution(users, vectorized=False, **kwargs)
+    expected, expected_metrics = seq.users_contribution(users, **kwargs)
+    assert path == "sequential" and torch.equal(result.total, expected.total) and metrics == expected_metrics
+
+
+def test_invalid_arguments():
+    model, users, training = _linear_setup()
+    kwargs = _kwargs(model, training, clip_norm=1.0, stp=False)
+    with pytest.raises(ValueError, match="chunk_size"):
+        vec.users_contribution(users, chunk_size=0, **kwargs)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        vec.users_contribution(users, **{**kwargs, "scale": -torch.ones_like(kwargs["params"])})
+    with pytest.raises(ValueError, match="clip_norm"):
+        vec.users_contribution(users, **{**kwargs, "clip_norm": 0.0})
+
+
+def test_the_model_module_is_left_untouched():
+    model, users, training = _w1_setup()
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    vec.users_contribution(users, **_kwargs(model, training, clip_norm=1.0, stp=False))
+    assert all(torch.equal(v, before[k]) for k, v in model.named_parameters())
+
+
+def test_auto_chunk_size_bounds_memory():
+    assert vec.auto_chunk_size(25_578) == vec.DEFAULT_CHUNK_SIZE  # W1
+    assert vec.auto_chunk_size(9216 * 255) == 7  # heavy-tail default: 256 MiB / (16 B · d)
+    assert vec.auto_chunk_size(10**9) == 1
