@@ -51,10 +51,7 @@ def node_users(node_config: dict[str, Any], num_users: int) -> list[int]:
 
 
 def _task(context: Context):
-    params = task_params(dict(context.run_config))
-    root = context.node_config.get("data-root")
-    if root:
-        params["root"] = str(root)
+    params = task_params(dict(context.run_config), node_root=str(context.node_config.get("data-root", "")))
     key = repr(sorted(params.items()))
     if key not in _TASKS:
         _TASKS.clear()

@@ -30,9 +30,21 @@ def _initial_params(task, seed: int):
     return model, layout, layout.flatten({k: v.detach() for k, v in model.named_parameters()})
 
 
+def _configure_logging() -> None:
+    """fed-dp's own messages at INFO; never the root logger (httpx would then log every request, including
+    the log uploads of the ServerApp itself, which never ends)."""
+    logger = logging.getLogger("fed_dp")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _configure_logging()
     config = parse_app_config(dict(context.run_config))
     experiment = config.experiment
     task = build_task(**task_params(dict(context.run_config)))

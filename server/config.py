@@ -17,6 +17,7 @@ The server-only keys live in ``[server]`` (``checkpoint-dir``, ``reply-timeout``
 from __future__ import annotations
 
 import copy
+import inspect
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from flwr.common.config import unflatten_dict
 
 from simulations.runner import Experiment, parse_experiment
+from simulations.tasks import TASKS
 
 #: Defaults for every key, so that an app started without a run config (``run_simulation`` passes an
 #: empty one) still has a complete configuration; pyproject.toml's [tool.flwr.app.config] repeats them.
@@ -34,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "task.users": 40,
     "task.partition": "iid",
     "task.seed": 0,
+    "task.root": "",
     "privacy.expected-cohort": 10,
     "privacy.rounds": 5,
     "privacy.noise-multiplier": 1.0,
@@ -95,11 +98,34 @@ def _drop_sentinels(tables: dict[str, Any]) -> dict[str, Any]:
     return tables
 
 
-def task_params(run_config: dict[str, Any]) -> dict[str, Any]:
-    """The [task] table (hyphens → underscores) for ``simulations.tasks.build_task``."""
+def task_params(run_config: dict[str, Any], node_root: str = "") -> dict[str, Any]:
+    """The [task] table for ``simulations.tasks.build_task``, holding only the keys the chosen task takes.
+
+    The run config must list every key any task may use (Flower only overrides keys that exist), so a key
+    the chosen task does not take is dropped when it still has its default, and is an error when it was
+    set: it would otherwise be ignored silently. ``task.root`` (or a SuperNode's ``data-root``, which
+    wins) is passed only to tasks that read local files.
+    """
     merged = {**DEFAULTS, **run_config}
-    tables = unflatten_dict(merged)
-    return {k.replace("-", "_"): v for k, v in tables.get("task", {}).items()}
+    table = {k: v for k, v in unflatten_dict(merged).get("task", {}).items()}
+    name = table.pop("name")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    accepted = set(inspect.signature(TASKS[name]).parameters)
+    root = node_root or table.pop("root", "")
+    table.pop("root", None)
+    params: dict[str, Any] = {"name": name}
+    for key, value in table.items():
+        field = key.replace("-", "_")
+        if field in accepted:
+            params[field] = value
+        elif value != DEFAULTS.get(f"task.{key}"):
+            raise ValueError(f"task.{key} = {value!r} does not apply to task {name!r} (it takes {sorted(accepted)})")
+    if "root" in accepted:
+        if not root:
+            raise ValueError(f"task {name!r} reads local files: set task.root, or data-root in the SuperNode's --node-config")
+        params["root"] = str(root)
+    return params
 
 
 def parse_app_config(run_config: dict[str, Any]) -> AppConfig:
@@ -109,6 +135,7 @@ def parse_app_config(run_config: dict[str, Any]) -> AppConfig:
     if unknown:
         raise ValueError(f"unknown run-config key(s) {unknown}; see server/config.py and the README")
     tables = _drop_sentinels(copy.deepcopy(unflatten_dict(merged)))
+    tables["task"].pop("root", None)  # the task's data folder is task_params' business
     optimizer = dict(tables.pop("optimizer"))
     name = optimizer.pop("name")
     server = tables.pop("server")
