@@ -100,7 +100,7 @@ def train(msg: Message, context: Context) -> Message:
     out = [contribution.total.detach().cpu().numpy().astype(np.float32)]
     if contribution.total_squares is not None:
         out.append(contribution.total_squares.detach().cpu().numpy().astype(np.float32))
-    reply_metrics = MetricRecord({"count": contribution.count,
+    reply_metrics = MetricRecord({"count": contribution.count, "unclipped": contribution.unclipped,
                                   **{k: float(v) for k, v in metrics.items() if np.isfinite(v)}})
     return Message(content=RecordDict({"update": ArrayRecord(out), "metrics": reply_metrics}), reply_to=msg)
 

@@ -117,4 +117,4 @@ def users_contribution(
         "mean_update_norm": sum(norms) / count if count else math.nan,
         "fraction_clipped": clipped / count if count else math.nan,
     }
-    return Contribution(total, count, squares, source=source), metrics
+    return Contribution(total, count, squares, source=source, unclipped=count - clipped), metrics

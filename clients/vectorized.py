@@ -267,7 +267,7 @@ def users_contribution(
         "mean_update_norm": float(norm_sum) / count if count else math.nan,
         "fraction_clipped": int(clipped) / count if count else math.nan,
     }
-    return Contribution(total, count, squares, source=source), metrics
+    return Contribution(total, count, squares, source=source, unclipped=count - int(clipped)), metrics
 
 
 def contribution(

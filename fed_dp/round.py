@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from fed_dp.accounting import PrivacyLedger
+from fed_dp.adaptive_clipping import AdaptiveClipConfig, AdaptiveClipper, check_compatible, update_noise_multiplier
 from fed_dp.aggregation import average_noise_variance, private_average, unscale
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import in_simulation, reported_epsilon
@@ -47,6 +48,7 @@ class Contribution:
     count: int
     total_squares: torch.Tensor | None = None
     source: str = ""
+    unclipped: int | None = None  # Σ 1[‖Δ_i‖ ≤ ζ_t] of these users, for adaptive clipping
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class RoundPlan:
     clip_norm: float
     scale: torch.Tensor | None
     send_squares: bool
+    send_clip_bits: bool = False
 
 
 @dataclass
@@ -77,6 +80,7 @@ class ServerState:
     sampler: Sampler
     ledger: PrivacyLedger
     round: int = 0
+    clipper: AdaptiveClipper | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +90,7 @@ class ServerState:
             "privatizer": self.privatizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "ledger": self.ledger.to_dict(),
+            "clipper": None if self.clipper is None else self.clipper.state_dict(),
         }
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
@@ -109,6 +114,10 @@ class ServerState:
         self.sampler.load_state_dict(data["sampler"])
         self.ledger = ledger
         self.round = int(data["round"])
+        if (self.clipper is None) != (data.get("clipper") is None):
+            raise ValueError("the checkpoint and this run disagree on adaptive clipping; refusing to resume")
+        if self.clipper is not None:
+            self.clipper.load_state_dict(data["clipper"])
 
 
 def init_server(
@@ -118,8 +127,14 @@ def init_server(
     *,
     seed: int | None = None,
     device: str | torch.device = "cpu",
+    adaptive_clipping: AdaptiveClipConfig | None = None,
 ) -> ServerState:
-    """Build the server state. ``seed`` seeds sampler and noise (``None``: OS entropy, as for real runs)."""
+    """Build the server state. ``seed`` seeds sampler and noise (``None``: OS entropy, as for real runs).
+
+    With ``adaptive_clipping`` (independent noise only) the clip norm follows the noisy clip bits of every
+    round and the update noise uses σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the pair costs one Gaussian
+    with multiplier σ and the accounting is unchanged (fed_dp.adaptive_clipping).
+    """
     if params.ndim != 1 or not params.dtype.is_floating_point:
         raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
     params = params.detach().to(device).clone()
@@ -130,6 +145,13 @@ def init_server(
                                       dtype=params.dtype)
     else:
         privatizer = make_privatizer(config, dim, seed=noise_seed, device=device, dtype=params.dtype)
+    clipper = None
+    if adaptive_clipping is not None:
+        check_compatible(config, adaptive_clipping)
+        if optimizer.needs.squares:
+            raise ValueError("adaptive clipping is not combined with independent moment estimation")
+        clipper = AdaptiveClipper(adaptive_clipping, config.expected_cohort,
+                                  seed=None if seed is None else seed + 2)
     return ServerState(
         config=config,
         optimizer=optimizer,
@@ -138,6 +160,7 @@ def init_server(
         privatizer=privatizer,
         sampler=make_sampler(config, seed=seed),
         ledger=PrivacyLedger(config),
+        clipper=clipper,
     )
 
 
@@ -149,9 +172,10 @@ def begin_round(state: ServerState) -> RoundPlan:
         round=state.round,
         cohort=cohort,
         params=state.params.clone(),
-        clip_norm=state.config.clip_norm,
+        clip_norm=state.config.clip_norm if state.clipper is None else state.clipper.clip_norm,
         scale=state.optimizer.scale(state.opt_state),
         send_squares=state.optimizer.needs.squares,
+        send_clip_bits=state.clipper is not None,
     )
 
 
@@ -172,6 +196,11 @@ def _rejection(c: Contribution, dim: int, plan: RoundPlan) -> str | None:
             return f"{name} contains NaN or Inf"
     if plan.send_squares and bool((c.total_squares < 0).any()):
         return "total_squares has negative entries"
+    if plan.send_clip_bits:
+        if c.unclipped is None:
+            return "no clip bits (adaptive clipping needs the number of unclipped users)"
+        if isinstance(c.unclipped, bool) or not isinstance(c.unclipped, int) or not 0 <= c.unclipped <= c.count:
+            return f"clip-bit sum {c.unclipped!r} is not an integer in [0, count = {c.count}]"
     return None
 
 
@@ -187,7 +216,7 @@ def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, devi
     """Validate and re-clip the replies; return (Σu, Σu² or None, users counted, metrics)."""
     total = torch.zeros(dim, device=device, dtype=dtype)
     squares = torch.zeros(dim, device=device, dtype=dtype) if plan.send_squares else None
-    counted, rejected, reclipped = 0, [], 0
+    counted, rejected, reclipped, unclipped = 0, [], 0, 0
     for c in contributions:
         reason = _rejection(c, dim, plan)
         if reason is not None:
@@ -204,7 +233,9 @@ def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, devi
             reclipped += was_clipped
             squares += sq
         counted += c.count
-    metrics = {"replied_users": counted, "rejected_replies": rejected, "reclipped_replies": reclipped}
+        unclipped += c.unclipped if plan.send_clip_bits else 0
+    metrics = {"replied_users": counted, "rejected_replies": rejected, "reclipped_replies": reclipped,
+               "unclipped_users": unclipped}
     return total, squares, counted, metrics
 
 
@@ -227,8 +258,13 @@ def finish_round(
         average, second_moment = noisy_total / B, noisy_squares / B
         noise_variance = None
     else:
-        average = private_average(total, state.privatizer, B)
-        noise_variance = average_noise_variance(state.privatizer, B, scale=plan.scale)
+        if state.clipper is None:
+            average = private_average(total, state.privatizer, B)
+            noise_variance = average_noise_variance(state.privatizer, B, scale=plan.scale)
+        else:  # σ_Δ·ζ_t this round (independent noise only, so a per-round scale is allowed)
+            std = update_noise_multiplier(config.noise_multiplier, state.clipper.config.bit_noise_std) * plan.clip_norm
+            average = private_average(total, state.privatizer, B, noise_std=std)
+            noise_variance = (std / B) ** 2 if plan.scale is None else (std / B) ** 2 / plan.scale.square()
     clean = total / B
     if plan.scale is not None:
         average, clean = unscale(average, plan.scale), unscale(clean, plan.scale)
@@ -240,6 +276,9 @@ def finish_round(
     )
     step, opt_state, diagnostics = optimizer.update(release, state.opt_state, state.params)
     record = state.ledger.record_round(plan.cohort.numel())
+    if state.clipper is not None:
+        metrics["clip_norm"] = plan.clip_norm
+        metrics["next_clip_norm"] = state.clipper.step(metrics["unclipped_users"], counted)
     new_state = replace(state, params=state.params + step, opt_state=opt_state, round=state.round + 1)
     metrics.update(diagnostics)
     metrics.update(

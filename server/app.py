@@ -53,7 +53,7 @@ def main(grid: Grid, context: Context) -> None:
     if not optimizer.private:
         raise ValueError(f"optimizer {config.optimizer_name!r} is not private; it exists only in simulations")
     state = init_server(experiment.privacy, optimizer, params,
-                        seed=config.seed if config.seeded_explicitly else None)
+                        seed=config.seed if config.seeded_explicitly else None, adaptive_clipping=experiment.adaptive)
     log.info("fed-dp: %s; N = %d, B = %d, T = %d, sigma = %.4f, clip = %g, sampler = %s, noise = %s, optimizer = %s%s",
              task.description, experiment.privacy.num_users, experiment.privacy.expected_cohort,
              experiment.privacy.rounds, experiment.privacy.noise_multiplier, experiment.privacy.clip_norm,

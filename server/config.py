@@ -54,6 +54,10 @@ DEFAULTS: dict[str, Any] = {
     "local.epochs": 1,
     "local.batch-size": 1,
     "local.lr": 1.0,
+    "adaptive.enabled": False,
+    "adaptive.target-quantile": 0.5,
+    "adaptive.learning-rate": 0.2,
+    "adaptive.bit-noise-std": 0.0,
     "run.seed": -1,
     "server.checkpoint-dir": "",
     "server.reply-timeout": 120.0,
@@ -131,7 +135,7 @@ def task_params(run_config: dict[str, Any], node_root: str = "") -> dict[str, An
 def parse_app_config(run_config: dict[str, Any]) -> AppConfig:
     """Validate and parse a Flower run config (missing keys take DEFAULTS)."""
     merged = {**DEFAULTS, **run_config}
-    unknown = sorted(k for k in merged if k.split(".")[0] not in ("task", "privacy", "optimizer", "local", "run", "server", "client"))
+    unknown = sorted(k for k in merged if k.split(".")[0] not in ("task", "privacy", "optimizer", "local", "run", "server", "client", "adaptive"))
     if unknown:
         raise ValueError(f"unknown run-config key(s) {unknown}; see server/config.py and the README")
     tables = _drop_sentinels(copy.deepcopy(unflatten_dict(merged)))

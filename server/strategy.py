@@ -106,7 +106,9 @@ def contributions(replies: list[Message], by_node: dict[int, list[int]], dtype: 
             total = total.to(dtype)
         if squares is not None and squares.dtype.is_floating_point:
             squares = squares.to(dtype)
-        result.append(Contribution(total, count, squares, source=f"node {node}"))
+        unclipped = reply.content["metrics"].get("unclipped")
+        result.append(Contribution(total, count, squares, source=f"node {node}",
+                                   unclipped=None if unclipped is None else int(unclipped)))
     for node in sorted(set(by_node) - answered):
         problems.append(f"node {node}: no usable reply ({len(by_node[node])} sampled users dropped)")
     return result, problems

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from clients.training import LocalTraining
 from clients.vectorized import contribution as node_contribution
 from clients.vectorized import select_path
+from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.flat import ParamLayout
@@ -69,6 +70,7 @@ def run(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     vectorized: bool | None = False,
     chunk_size: int | None = None,
+    adaptive_clipping: AdaptiveClipConfig | None = None,
 ) -> tuple[ServerState, list[dict[str, Any]]]:
     """Train ``privacy.rounds`` rounds; returns the final server state and one record per round.
 
@@ -96,7 +98,8 @@ def run(
     layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
     records: list[dict[str, Any]] = []
     with simulation():
-        state = init_server(privacy, optimizer, layout.flatten(dict(model.named_parameters())), seed=seed)
+        state = init_server(privacy, optimizer, layout.flatten(dict(model.named_parameters())), seed=seed,
+                            adaptive_clipping=adaptive_clipping)
         for t in range(privacy.rounds):
             plan = begin_round(state)
             contribution, train_metrics, path = node_contribution(

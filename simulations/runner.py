@@ -30,6 +30,7 @@ from typing import Any
 from tqdm import tqdm
 
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+from fed_dp.adaptive_clipping import AdaptiveClipConfig, check_compatible
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import OPTIMIZERS, make_optimizer
@@ -37,7 +38,7 @@ from clients.training import LocalTraining
 from simulations.engine import run
 from simulations.tasks import build_task
 
-TABLES = ("task", "privacy", "local", "run", "optimizers")
+TABLES = ("task", "privacy", "local", "run", "optimizers", "adaptive")
 DEFAULT_CONFIG = "heavy-tail-quick"
 
 
@@ -96,6 +97,25 @@ class Experiment:
     eval_every: int
     optimizers: dict[str, dict[str, Any]]
     calibrated_from: float | None
+    adaptive: AdaptiveClipConfig | None = None
+
+
+def _adaptive(table: dict[str, Any], privacy: PrivacyConfig) -> AdaptiveClipConfig | None:
+    """[adaptive]: enabled, target-quantile, learning-rate, bit-noise-std (<= 0: B/20, Andrew et al.).
+
+    The initial clip norm is privacy.clip-norm. Independent noise only (checked when the server starts).
+    """
+    values = _keys(table)
+    if not values.pop("enabled", bool(values)):
+        return None
+    if values.get("bit_noise_std", 0) <= 0:
+        values["bit_noise_std"] = privacy.expected_cohort / 20
+    unknown = set(values) - {"target_quantile", "learning_rate", "bit_noise_std"}
+    if unknown:
+        raise ValueError(f"unknown [adaptive] key(s) {sorted(unknown)}; known: enabled, target-quantile, learning-rate, bit-noise-std")
+    config = AdaptiveClipConfig(initial_clip_norm=privacy.clip_norm, **values)
+    check_compatible(privacy, config)
+    return config
 
 
 def parse_experiment(config: dict[str, Any], num_users: int) -> Experiment:
@@ -125,6 +145,7 @@ def parse_experiment(config: dict[str, Any], num_users: int) -> Experiment:
         for name in names:
             make_optimizer(name, **hyper.get(name, {}))
     return Experiment(
+        adaptive=_adaptive(config.get("adaptive", {}), privacy),
         task_params=_keys(config.get("task", {})),
         privacy=privacy,
         local=LocalTraining(**_keys(config.get("local", {}))),
@@ -208,7 +229,7 @@ def run_experiment(
 
         start = time.perf_counter()
         _, records = run(task, experiment.privacy, optimizer, experiment.local, seed=experiment.seed,
-                         eval_every=experiment.eval_every, on_round=on_round)
+                         eval_every=experiment.eval_every, on_round=on_round, adaptive_clipping=experiment.adaptive)
         bar.close()
         with records_path.open("w") as handle:
             for record in records:

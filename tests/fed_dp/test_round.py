@@ -196,3 +196,72 @@ def test_bandmf_round_uses_the_strategy_noise(tmp_path, monkeypatch):
         plan = begin_round(state)
         state, metrics = finish_round(state, plan, _honest_replies(plan, seed=plan.round))
     assert metrics["epsilon"] == pytest.approx(epsilon(config, 3))
+
+
+# --- adaptive clipping through the round ------------------------------------------------------------
+from fed_dp.adaptive_clipping import AdaptiveClipConfig, update_noise_multiplier  # noqa: E402
+
+ADAPTIVE = AdaptiveClipConfig(target_quantile=0.5, learning_rate=0.2, bit_noise_std=0.3, initial_clip_norm=1.0)
+
+
+def _adaptive_config(**changes) -> PrivacyConfig:
+    return _config(**{"num_users": 1000, "expected_cohort": 100, "noise_multiplier": 0.5, **changes})
+
+
+def test_adaptive_round_noise_uses_sigma_delta_times_the_current_clip_norm():
+    dim = 100_000
+    state = init_server(_adaptive_config(), make_optimizer("dp-fedavg"), torch.zeros(dim, dtype=torch.float64),
+                        seed=1, adaptive_clipping=ADAPTIVE)
+    plan = begin_round(state)
+    assert plan.send_clip_bits and plan.clip_norm == 1.0
+    zeros = torch.zeros(dim, dtype=torch.float64)
+    new, metrics = finish_round(state, plan, [Contribution(zeros, plan.cohort.numel(), unclipped=plan.cohort.numel())])
+    sigma_delta = (0.5**-2 - (2 * 0.3) ** -2) ** -0.5  # computed here, independently of the code
+    assert sigma_delta == pytest.approx(update_noise_multiplier(0.5, 0.3))
+    assert abs(new.params.std().item() / (sigma_delta * 1.0 / 100) - 1) < 5 / math.sqrt(2 * dim)
+    assert metrics["epsilon"] == pytest.approx(epsilon(state.config, 1))  # accounting unchanged: σ of the config
+
+
+@pytest.mark.parametrize("all_clipped, direction", [(True, 1), (False, -1)])
+def test_clip_norm_moves_towards_the_target_quantile(all_clipped, direction):
+    state = init_server(_adaptive_config(), make_optimizer("dp-fedavg"), torch.zeros(DIM, dtype=torch.float64),
+                        seed=2, adaptive_clipping=ADAPTIVE)
+    for _ in range(3):
+        plan = begin_round(state)
+        n = plan.cohort.numel()
+        state, metrics = finish_round(state, plan, [Contribution(torch.zeros(DIM, dtype=torch.float64), n,
+                                                                 unclipped=0 if all_clipped else n)])
+        assert math.copysign(1, metrics["next_clip_norm"] - metrics["clip_norm"]) == direction
+
+
+def test_adaptive_round_rejects_missing_or_impossible_clip_bits():
+    state = init_server(_adaptive_config(), make_optimizer("dp-fedavg"), torch.zeros(DIM), seed=3,
+                        adaptive_clipping=ADAPTIVE)
+    plan = begin_round(state)
+    _, metrics = finish_round(state, plan, [Contribution(torch.zeros(DIM), 2), Contribution(torch.zeros(DIM), 2, unclipped=3)])
+    assert metrics["replied_users"] == 0
+    assert any("no clip bits" in r for r in metrics["rejected_replies"])
+    assert any("not an integer in [0, count" in r for r in metrics["rejected_replies"])
+
+
+def test_adaptive_clipping_resumes_exactly_and_refuses_bandmf(tmp_path, monkeypatch):
+    def run(state, rounds):
+        for _ in range(rounds):
+            plan = begin_round(state)
+            n = plan.cohort.numel()
+            state, _ = finish_round(state, plan, [Contribution(torch.zeros(DIM, dtype=torch.float64), n, unclipped=n // 3)])
+        return state
+
+    config = _adaptive_config(rounds=4)
+    straight = run(init_server(config, make_optimizer("dp-sgd"), torch.zeros(DIM, dtype=torch.float64), seed=4,
+                               adaptive_clipping=ADAPTIVE), 4)
+    first = run(init_server(config, make_optimizer("dp-sgd"), torch.zeros(DIM, dtype=torch.float64), seed=4,
+                            adaptive_clipping=ADAPTIVE), 2)
+    resumed = init_server(config, make_optimizer("dp-sgd"), torch.zeros(DIM, dtype=torch.float64), adaptive_clipping=ADAPTIVE)
+    resumed.load_state_dict(first.state_dict())
+    resumed = run(resumed, 2)
+    assert resumed.clipper.clip_norm == straight.clipper.clip_norm and torch.equal(resumed.params, straight.params)
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    bandmf = _adaptive_config(sampler="cyclic-poisson", noise="bandmf", bands=2)
+    with pytest.raises(ValueError, match="BandMF"):
+        init_server(bandmf, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1, adaptive_clipping=ADAPTIVE)

@@ -136,3 +136,11 @@ def test_synthetic_builtin_configs_train_a_few_rounds(name, tmp_path, monkeypatc
         shrink += ["task.num-examples=40", "task.users=40", "privacy.expected-cohort=4"]
     rows = run_experiment(apply_overrides(config, shrink), tmp_path, progress=False, log=lambda *_: None)
     assert len(rows) == len(config["run"]["optimizers"])
+
+
+def test_adaptive_clipping_runs_through_the_runner(tmp_path):
+    rows = run_experiment(_tiny(["adaptive.enabled=true", "adaptive.target-quantile=0.9", "adaptive.bit-noise-std=1.0"]), tmp_path,
+                          progress=False, log=lambda *_: None)
+    records = read_results(tmp_path)["dp-sgd"]
+    assert all("next_clip_norm" in r for r in records) and records[0]["clip_norm"] == 1.0
+    assert rows[0]["epsilon"] == pytest.approx(epsilon(parse_experiment(_tiny(), num_users=16).privacy))
