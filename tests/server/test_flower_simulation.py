@@ -117,3 +117,17 @@ def test_a_round_over_the_epsilon_budget_is_refused_and_the_run_ends_cleanly(tmp
     records = _results(out)
     assert len(records) == allowed and records[-1]["epsilon"] <= 3.5
     assert load_checkpoint(out)["state"]["round"] == allowed
+
+
+def test_adaptive_clipping_bits_travel_through_flower(tmp_path):
+    """Clients reply their clip-bit sums; the server moves ζ from them; ε stays that of the config's σ."""
+    out = tmp_path / "ckpt"
+    config = {**RUN, "adaptive.enabled": True, "adaptive.bit-noise-std": 2.0, "server.checkpoint-dir": str(out)}
+    flower_run.run(tmp_path / "home", config, supernodes=2)
+    records = _results(out)
+    privacy = parse_app_config(config).experiment.privacy
+    assert len(records) == 3 and all(r["replied_users"] == r["cohort_size"] for r in records)
+    assert records[0]["clip_norm"] == privacy.clip_norm
+    assert [r["clip_norm"] for r in records[1:]] == [r["next_clip_norm"] for r in records[:-1]]
+    assert all(0 <= r["unclipped_users"] <= r["replied_users"] for r in records)
+    assert records[-1]["epsilon"] == pytest.approx(epsilon(privacy, 3))
