@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "task.users": 40,
     "task.partition": "iid",
     "task.seed": 0,
+    "task.examples": 32,
     "task.root": "",
     "privacy.expected-cohort": 10,
     "privacy.rounds": 5,

@@ -8,6 +8,8 @@ Two generators:
 * :func:`sparse_logistic_1d` -- the one-dimensional sparse logistic regression of
   seed 000 §5.1, used to compare AdaGrad variants (ALGORITHMS.md §3.8): most samples
   have ``x = 0`` and therefore a gradient that is exactly zero.
+* :func:`w1_user_data` -- one user of the BENCHMARKS.md W1 throughput workload:
+  CIFAR-shaped inputs and labels drawn from a generator seeded with the user id.
 
 Neither function touches the global RNG: every draw goes through a private
 ``torch.Generator`` seeded with ``seed``, so a call is reproducible and independent of
@@ -28,6 +30,7 @@ __all__ = [
     "heavy_tail_class_sizes",
     "heavy_tail_data",
     "sparse_logistic_1d",
+    "w1_user_data",
 ]
 
 #: Ground-truth weight ``w*`` of :func:`sparse_logistic_1d`: ``P(y = 1 | x) = sigmoid(w* x)``.
@@ -190,4 +193,18 @@ def sparse_logistic_1d(
     y = (torch.rand(n, generator=gen, dtype=torch.float64) < p_one).to(torch.int64)
     keep = torch.rand((n, 1), generator=gen, dtype=torch.float64) < fraction
     x = torch.where(keep, z, torch.zeros((), dtype=torch.float32))
+    return x, y
+
+
+def w1_user_data(user_id: int, examples: int = 32, *, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """User ``user_id``'s examples of BENCHMARKS.md W1: ``x`` ~ N(0, 1) of shape (n, 3, 32, 32) (float32)
+    then ``y`` uniform on {0, .., classes − 1}, both from ``torch.Generator().manual_seed(user_id)``.
+
+    Labels are independent of the inputs: W1 measures throughput, not accuracy. Deterministic in the
+    user id alone, so every engine (and Flower's own DP simulation) sees the same users.
+    """
+    gen = _generator(user_id)
+    examples = _check_int("examples", examples, minimum=1)
+    x = torch.randn(examples, 3, 32, 32, generator=gen)
+    y = torch.randint(classes, (examples,), generator=gen)
     return x, y

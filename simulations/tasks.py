@@ -8,6 +8,7 @@
 | ``sparse-logreg-1d`` | seed 000 §5.1-style 1-D sparse logistic regression (built in) | 1-D logistic | a held-out draw |
 | ``cifar10`` | ``cifar-10-batches-py`` from a local folder (seeds 001, 004) | 5-layer DP CNN | the test batch |
 | ``barcode-mnist`` | MNIST idx files from a local folder, seed 003 App. B | 2-conv CNN | a held-out split, per group |
+| ``w1`` | BENCHMARKS.md W1: CIFAR-shaped noise, labels independent of inputs, seeded by user id (built in) | W1 CNN | nothing (a throughput workload) |
 
 Users: ``users`` = N; ``partition`` = ``iid`` | ``dirichlet`` (``alpha``) | ``power-law`` (``exponent``) |
 ``natural-id`` (where the data has ids). Every example belongs to exactly one user.
@@ -132,11 +133,29 @@ def barcode_mnist_task(
     )
 
 
+def w1_task(*, users: int = 500, examples: int = 32) -> Task:
+    """BENCHMARKS.md W1: ``users`` users of ``examples`` CIFAR-shaped examples each, user i's data from
+    ``synthetic.w1_user_data(i)``; the 25,578-parameter W1 CNN. No held-out data: labels are independent
+    of the inputs, so accuracy means nothing; the workload measures throughput."""
+    if not (isinstance(users, int) and users >= 1):
+        raise ValueError(f"w1: users must be an integer >= 1, got {users!r}")
+    data = [UserData(*synthetic.w1_user_data(u, examples)) for u in range(users)]
+    return Task(
+        name="w1",
+        users=data,
+        eval_data=UserData(torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.int64)),
+        make_model=models.w1_cnn,
+        num_classes=10,
+        description=f"W1 throughput workload (BENCHMARKS.md): N={users} users x {examples} synthetic CIFAR-shaped examples",
+    )
+
+
 TASKS: dict[str, Callable[..., Task]] = {
     "heavy-tail": heavy_tail_task,
     "sparse-logreg-1d": sparse_logreg_task,
     "cifar10": cifar10_task,
     "barcode-mnist": barcode_mnist_task,
+    "w1": w1_task,
 }
 
 

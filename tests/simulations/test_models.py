@@ -118,3 +118,25 @@ def test_vmapped_per_example_gradients_equal_a_loop(name):
         for k, p in model.named_parameters():
             assert per_example[k].shape == (n, *p.shape)
             torch.testing.assert_close(per_example[k][i], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_w1_forward_is_the_benchmark_network_conv_relu_pool():
+    """W1CNN pools before its ReLU for speed; outputs and gradients equal the BENCHMARKS.md order
+    conv → ReLU → max-pool (computed here with the functional ops), on inputs with many negative windows."""
+    torch.manual_seed(0)
+    model = w1_cnn()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def specified(p):
+        h = nn.functional.max_pool2d(torch.relu(nn.functional.conv2d(x, p["conv1.weight"], p["conv1.bias"], padding=1)), 2)
+        h = nn.functional.max_pool2d(torch.relu(nn.functional.conv2d(h, p["conv2.weight"], p["conv2.bias"], padding=1)), 2)
+        return nn.functional.linear(h.flatten(1), p["fc.weight"], p["fc.bias"])
+
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    expected = specified(params)
+    nn.functional.cross_entropy(expected, y).backward()
+    out = model(x)
+    nn.functional.cross_entropy(out, y).backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, rtol=1e-5, atol=1e-7)

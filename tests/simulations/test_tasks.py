@@ -87,3 +87,22 @@ def test_sparse_task_has_held_out_data_of_the_same_law():
     assert torch.equal(task.eval_data.x, x_eval) and torch.equal(task.eval_data.y, y_eval)
     x_train, _ = sparse_logistic_1d(num_examples=200, seed=3)
     assert sorted(torch.cat([u.x for u in task.users]).flatten().tolist()) == sorted(x_train.flatten().tolist())
+
+
+def test_w1_task_is_benchmarks_md_w1():
+    """500 users × 32 CIFAR-shaped examples, user i's drawn from torch.Generator().manual_seed(i) (inputs,
+    then labels), the 25,578-parameter CNN, no held-out data; the same users whatever N is."""
+    task = build_task("w1")
+    assert task.num_users == 500 and all(len(u) == 32 for u in task.users)
+    assert sum(p.numel() for p in task.make_model().parameters()) == 25_578
+    assert len(task.eval_data) == 0
+    for user in (0, 7, 499):
+        generator = torch.Generator().manual_seed(user)
+        x = torch.randn(32, 3, 32, 32, generator=generator)
+        y = torch.randint(10, (32,), generator=generator)
+        assert torch.equal(task.users[user].x, x) and torch.equal(task.users[user].y, y)
+    small = build_task("w1", users=8, examples=4)
+    assert torch.equal(small.users[7].x, task.users[7].x[:4])
+    assert not torch.equal(task.users[0].x, task.users[1].x)
+    with pytest.raises(ValueError, match="users"):
+        build_task("w1", users=0)
