@@ -3,7 +3,8 @@
     QUERY  → the user ids this node hosts (node config ``users``, e.g. "0-19,40-49"; in simulations user
              u lives on partition u mod num-partitions)
     TRAIN  → for the requested users: local SGD from θ_{t−1}, Δ_i clipped in the broadcast geometry
-             (clients.training), reply Σu (and Σu² when asked) with the count
+             (clients.vectorized.contribution: vectorized over users on CUDA, one at a time on the CPU,
+             as the in-process engine does), reply Σu (and Σu² when asked) with the count
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.training import LocalTraining, users_contribution
+from clients.training import LocalTraining
+from clients.vectorized import contribution as node_contribution
 from fed_dp.flat import ParamLayout
 from server.config import DEFAULTS, task_params
 from simulations.tasks import build_task
@@ -91,8 +93,8 @@ def train(msg: Message, context: Context) -> Message:
     layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
     training = LocalTraining(epochs=int(run_config["local.epochs"]), batch_size=int(run_config["local.batch-size"]),
                              lr=float(run_config["local.lr"]))
-    users = [(u, _on(task.users[u], device)) for u in requested]
-    contribution, metrics = users_contribution(
+    users = [(u, task.users[u]) for u in requested]  # moved to the device one at a time (or chunk by chunk)
+    contribution, metrics, path = node_contribution(
         users, params=params, round_index=int(config["round"]), clip_norm=float(config["clip-norm"]), scale=scale,
         send_squares=bool(config["send-squares"]), model=model, layout=layout, training=training,
         seed=int(config["seed"]),
@@ -101,11 +103,7 @@ def train(msg: Message, context: Context) -> Message:
     if contribution.total_squares is not None:
         out.append(contribution.total_squares.detach().cpu().numpy().astype(np.float32))
     reply_metrics = MetricRecord({"count": contribution.count, "unclipped": contribution.unclipped,
+                                  "vectorized": float(path == "vectorized"),
                                   **{k: float(v) for k, v in metrics.items() if np.isfinite(v)}})
     return Message(content=RecordDict({"update": ArrayRecord(out), "metrics": reply_metrics}), reply_to=msg)
 
-
-def _on(data, device: torch.device):
-    from simulations.task import UserData
-
-    return data if device.type == "cpu" else UserData(data.x.to(device), data.y.to(device))

@@ -121,16 +121,21 @@ def can_vectorize(model: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
-def select_path(model: nn.Module, vectorized: bool | None = None) -> tuple[Path, str]:
-    """Which path :func:`contribution` takes for ``model``: ``(path, reason)``.
+def select_path(model: nn.Module, vectorized: bool | None = None,
+                device: torch.device | str | None = None) -> tuple[Path, str]:
+    """Which path :func:`contribution` takes for ``model`` on ``device``: ``(path, reason)``.
 
-    ``vectorized=None`` (auto): ``"vectorized"`` when :func:`can_vectorize` allows it, else
-    ``"sequential"`` with the reason. ``True``: ``"vectorized"`` or a ValueError with the reason.
-    ``False``: ``"sequential"``.
+    ``vectorized=None`` (auto): ``"vectorized"`` on a CUDA device when :func:`can_vectorize` allows it;
+    ``"sequential"`` on the CPU (measured faster on the 2-core CPUs here: vmap turns a per-user
+    convolution into a grouped one, whose CPU backward kernel is 3–4× slower than the per-user kernels;
+    ``fed-dp benchmark`` prints both) and for models that cannot be vectorized, with the reason.
+    ``True``: ``"vectorized"`` or a ValueError with the reason. ``False``: ``"sequential"``.
     """
     if vectorized is False:
         return "sequential", "vectorized=False"
     ok, reason = can_vectorize(model)
+    if vectorized is None and ok and torch.device(device or "cpu").type == "cpu":
+        return "sequential", "auto on CPU: the sequential path is the faster one there"
     if ok:
         return "vectorized", ""
     if vectorized:
@@ -286,16 +291,16 @@ def contribution(
     vectorized: bool | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Contribution, dict[str, float], Path]:
-    """The node's contribution by the vectorized path when possible, else the sequential one.
+    """The node's contribution by the vectorized or the sequential path, on ``params.device``.
 
-    Same arguments as ``users_contribution`` plus ``vectorized`` (``None``: auto, see
+    Same arguments as ``users_contribution`` plus ``vectorized`` (``None``: auto by device, see
     :func:`select_path`; ``True``: vectorized or ValueError; ``False``: sequential) and ``chunk_size``
     (vectorized path only). Returns ``(Contribution, metrics, path)``: the first two exactly as
     ``users_contribution`` returns them (metrics stay floats, ready for a Flower MetricRecord) and
     ``path``, ``"vectorized"`` or ``"sequential"``, the path that ran. A caller that wants it among float
     metrics can record ``float(path == "vectorized")``.
     """
-    path, _ = select_path(model, vectorized)
+    path, _ = select_path(model, vectorized, params.device)
     kwargs = {
         "params": params, "round_index": round_index, "clip_norm": clip_norm, "scale": scale,
         "send_squares": send_squares, "model": model, "layout": layout, "training": training, "seed": seed,

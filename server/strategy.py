@@ -132,6 +132,7 @@ def run(
             records = list(extra.get("records", []))
             log.info("resumed from %s at round %d (ε so far %.4g)", checkpoint_dir, state.round, state.ledger.epsilon)
     while state.round < state.config.rounds:
+        started = time.perf_counter()
         try:
             plan = begin_round(state)  # refuses, before sampling, a round that would exceed the budget
         except BudgetExceededError as refusal:
@@ -143,6 +144,7 @@ def run(
         if unreachable:
             problems.append(f"{len(unreachable)} sampled users are on no connected node")
         state, metrics = finish_round(state, plan, received)
+        metrics["round_seconds"] = time.perf_counter() - started  # broadcast, local training, replies, round
         metrics["dropped"] = problems + list(metrics.pop("rejected_replies"))
         if evaluate is not None:
             metrics.update(evaluate(state.params))

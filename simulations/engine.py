@@ -10,22 +10,27 @@ Each round (DESIGN.md "The one round"):
 The engine acts like one node hosting every user (a data silo): it replies with the sum of the clipped
 contributions and their count, exactly what a Flower ClientApp hosting many users sends. Noise, the fixed
 denominator, the optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is
-re-implemented here. This is the simple, sequential path (correct first); the fast-engine issue vectorizes
-local training without changing what is computed.
+re-implemented here.
 
-Local training and clipping live in ``clients.training``, shared with the Flower ClientApp.
+Local training and clipping live in ``clients.training`` (one user at a time) and ``clients.vectorized``
+(many users at once with ``torch.func``), shared with the Flower ClientApp. Users train on ``device``
+(CPU or ``cuda``); the server round stays on the CPU, and only θ_{t−1} (and s_t) go to the device and
+Σu (and Σu²) come back, one d-vector each per round. The task's data is moved to the device, in the
+model's fast memory format, once per run.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from clients.training import LocalTraining
+from clients.training import LocalTraining, to_device, use_fast_format
 from clients.vectorized import contribution as node_contribution
 from clients.vectorized import select_path
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
@@ -33,20 +38,45 @@ from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer
-from fed_dp.round import ServerState, begin_round, finish_round, init_server
+from fed_dp.round import Contribution, ServerState, begin_round, finish_round, init_server
 from simulations.task import Task
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → ``cuda`` when available, else ``cpu``; anything else as ``torch.device``, with a clear
+    error for a CUDA device this machine does not have."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA device; use 'cpu' or 'auto'")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    return resolved
+
+
+def _on_cpu(contribution: Contribution) -> Contribution:
+    squares = contribution.total_squares
+    return replace(contribution, total=contribution.total.cpu(), total_squares=None if squares is None else squares.cpu())
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, layout: ParamLayout, params: torch.Tensor, task: Task) -> dict[str, float]:
-    """Loss and accuracy on the task's held-out data; per frequency group when the task has groups."""
+    """Loss and accuracy on the task's held-out data; per frequency group when the task has groups.
+
+    Runs on the model's device (the held-out inputs go there 4,096 at a time); metrics are computed on
+    the CPU."""
     data = task.eval_data
     if len(data) == 0:
         return {}
     named = dict(model.named_parameters())
     for name, value in layout.unflatten(params).items():
         named[name].copy_(value)
-    logits = torch.cat([model(data.x[i : i + 4096]) for i in range(0, len(data), 4096)])
+    device = params.device if not named else next(iter(named.values())).device
+    logits = torch.cat([model(data.x[i : i + 4096].to(device)).cpu() for i in range(0, len(data), 4096)])
     correct = (logits.argmax(dim=1) == data.y).double()
     metrics = {"eval_loss": float(F.cross_entropy(logits, data.y)), "eval_accuracy": float(correct.mean())}
     if task.class_groups is not None:
@@ -68,22 +98,25 @@ def run(
     seed: int,
     eval_every: int = 1,
     on_round: Callable[[dict[str, Any]], None] | None = None,
-    vectorized: bool | None = False,
+    vectorized: bool | None = None,
     chunk_size: int | None = None,
     adaptive_clipping: AdaptiveClipConfig | None = None,
+    device: str | torch.device = "auto",
 ) -> tuple[ServerState, list[dict[str, Any]]]:
     """Train ``privacy.rounds`` rounds; returns the final server state and one record per round.
 
     ``seed`` fixes the model initialization, the local training, the user sampler and the noise (a
     research run; real deployments draw sampler and noise seeds from OS entropy). ``on_round`` is called
-    with each round's record (progress bars, logging).
+    with each round's record (progress bars, logging). Records carry ``round_seconds``, the wall time of
+    the round before evaluation.
 
-    ``vectorized`` chooses how users train (clients.vectorized.select_path): False (default) = one user at
-    a time, measured faster on 2-core CPUs for W1 (grouped convolutions under vmap are slow there); None =
-    vectorized over users with torch.func when the model allows it; True = vectorized or ValueError (e.g.
-    BatchNorm). Every record carries ``vectorized`` = 1.0 or 0.0, the path that ran. ``chunk_size``
-    bounds the users of one vmapped call (None: automatic from d). Both paths compute the same
-    contributions (tests/clients/test_vectorized.py).
+    ``vectorized`` chooses how users train (clients.vectorized.select_path): None (default, auto) =
+    vectorized over users with torch.func on CUDA when the model allows it, one user at a time on the CPU
+    (measured faster on the 2-core CPUs here: grouped convolutions under vmap are slow there); False = one
+    user at a time; True = vectorized or ValueError (e.g. BatchNorm). Every record carries ``vectorized``
+    = 1.0 or 0.0, the path that ran. ``chunk_size`` bounds the users of one vmapped call (None: automatic
+    from d). Both paths compute the same contributions (tests/clients/test_vectorized.py). ``device``:
+    where users train, ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda[:N]"``.
     """
     if privacy.num_users != task.num_users:
         raise ValueError(
@@ -92,24 +125,31 @@ def run(
         )
     if not (isinstance(eval_every, int) and eval_every >= 1):
         raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
+    device = resolve_device(device)
     torch.manual_seed(seed)  # model initialization only; everything else uses explicit generators
     model = task.make_model()
-    select_path(model, vectorized)  # vectorized=True with a BatchNorm model fails before any round
+    select_path(model, vectorized, device)  # vectorized=True with a BatchNorm model fails before any round
     layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
+    initial = layout.flatten(dict(model.named_parameters())).detach()  # θ_0 on the CPU, for the server
+    model.to(device)
+    memory_format = use_fast_format(model, [(0, task.users[0])] if task.users else [])
+    users = [to_device(data, device, memory_format) for data in task.users]
     records: list[dict[str, Any]] = []
     with simulation():
-        state = init_server(privacy, optimizer, layout.flatten(dict(model.named_parameters())), seed=seed,
-                            adaptive_clipping=adaptive_clipping)
+        state = init_server(privacy, optimizer, initial, seed=seed, adaptive_clipping=adaptive_clipping)
         for t in range(privacy.rounds):
+            started = time.perf_counter()
             plan = begin_round(state)
+            scale = None if plan.scale is None else plan.scale.to(device)
             contribution, train_metrics, path = node_contribution(
-                [(u, task.users[u]) for u in plan.cohort.tolist()], params=plan.params, round_index=plan.round,
-                clip_norm=plan.clip_norm, scale=plan.scale, send_squares=plan.send_squares, model=model,
+                [(u, users[u]) for u in plan.cohort.tolist()], params=plan.params.to(device), round_index=plan.round,
+                clip_norm=plan.clip_norm, scale=scale, send_squares=plan.send_squares, model=model,
                 layout=layout, training=training, seed=seed, source="simulation",
                 vectorized=vectorized, chunk_size=chunk_size,
             )
-            state, metrics = finish_round(state, plan, [contribution])
-            record = {**metrics, **train_metrics, "vectorized": float(path == "vectorized")}
+            state, metrics = finish_round(state, plan, [_on_cpu(contribution)])
+            record = {**metrics, **train_metrics, "vectorized": float(path == "vectorized"),
+                      "round_seconds": time.perf_counter() - started}  # sampling, local training, server round
             if (t + 1) % eval_every == 0 or t + 1 == privacy.rounds:
                 record.update(evaluate(model, layout, state.params, task))
             records.append(record)

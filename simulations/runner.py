@@ -7,7 +7,8 @@ of users; ``target-epsilon`` instead of ``noise-multiplier`` calibrates σ with 
     [task]        name = "heavy-tail" and the task's own parameters (simulations.tasks)
     [privacy]     expected-cohort, rounds, noise-multiplier | target-epsilon, clip-norm, delta, sampler, ...
     [local]       epochs, batch-size, lr
-    [run]         seed, eval-every, optimizers = [names]
+    [run]         seed, eval-every, optimizers = [names], engine = "auto" | "vectorized" | "sequential",
+                  device = "auto" | "cpu" | "cuda[:N]", chunk-size (users per vmapped call; 0 = automatic)
     [optimizers.NAME]   hyper-parameters of optimizer NAME (fed_dp.optimizers.make_optimizer)
 
 Each run writes to its output folder: ``config.json`` (the resolved config), ``rounds-NAME.jsonl`` (one
@@ -35,7 +36,7 @@ from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import OPTIMIZERS, make_optimizer
 from clients.training import LocalTraining
-from simulations.engine import run
+from simulations.engine import resolve_device, run
 from simulations.tasks import build_task
 
 TABLES = ("task", "privacy", "local", "run", "optimizers", "adaptive")
@@ -98,6 +99,14 @@ class Experiment:
     optimizers: dict[str, dict[str, Any]]
     calibrated_from: float | None
     adaptive: AdaptiveClipConfig | None = None
+    engine: str = "auto"
+    device: str = "auto"
+    chunk_size: int | None = None
+
+    @property
+    def vectorized(self) -> bool | None:
+        """The engine's ``vectorized`` argument: None (auto), True or False."""
+        return {"auto": None, "vectorized": True, "sequential": False}[self.engine]
 
 
 def _adaptive(table: dict[str, Any], privacy: PrivacyConfig) -> AdaptiveClipConfig | None:
@@ -135,8 +144,17 @@ def parse_experiment(config: dict[str, Any], num_users: int) -> Experiment:
     names = run_table.pop("optimizers", ["dp-adam"])
     seed = run_table.pop("seed", 0)
     eval_every = run_table.pop("eval_every", max(1, privacy.rounds // 20))
+    engine = run_table.pop("engine", "auto")
+    if engine not in ("auto", "vectorized", "sequential"):
+        raise ValueError(f"run.engine must be 'auto', 'vectorized' or 'sequential', got {engine!r}")
+    device = str(run_table.pop("device", "auto"))
+    resolve_device(device)  # a CUDA device this machine lacks fails here, before any work
+    chunk_size = run_table.pop("chunk_size", 0)
+    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 0):
+        raise ValueError(f"run.chunk-size must be an integer >= 0 (0 = automatic), got {chunk_size!r}")
     if run_table:
-        raise ValueError(f"unknown [run] key(s) {sorted(run_table)}; known: seed, eval-every, optimizers")
+        raise ValueError(f"unknown [run] key(s) {sorted(run_table)}; known: seed, eval-every, optimizers, "
+                         "engine, device, chunk-size")
     hyper = {name: _keys(table) for name, table in config.get("optimizers", {}).items()}
     unknown_names = [n for n in list(names) + list(hyper) if n not in OPTIMIZERS]
     if unknown_names:
@@ -153,6 +171,9 @@ def parse_experiment(config: dict[str, Any], num_users: int) -> Experiment:
         eval_every=int(eval_every),
         optimizers={name: hyper.get(name, {}) for name in names},
         calibrated_from=target,
+        engine=engine,
+        device=device,
+        chunk_size=chunk_size or None,
     )
 
 
@@ -215,6 +236,8 @@ def run_experiment(
         range(1, experiment.privacy.rounds + 1), desc="    accounting", disable=not progress, leave=False)]
     log(f"user-level epsilon after {experiment.privacy.rounds} rounds: {schedule[-1]:.4f} "
         f"({experiment.privacy.accountant}, delta = {experiment.privacy.delta:g})")
+    log(f"engine: {experiment.engine} on {resolve_device(experiment.device)}"
+        + (f", chunks of {experiment.chunk_size} users" if experiment.chunk_size else ""))
     rows = []
     for name, hyper in experiment.optimizers.items():
         with simulation():
@@ -229,7 +252,8 @@ def run_experiment(
 
         start = time.perf_counter()
         _, records = run(task, experiment.privacy, optimizer, experiment.local, seed=experiment.seed,
-                         eval_every=experiment.eval_every, on_round=on_round, adaptive_clipping=experiment.adaptive)
+                         eval_every=experiment.eval_every, on_round=on_round, adaptive_clipping=experiment.adaptive,
+                         vectorized=experiment.vectorized, chunk_size=experiment.chunk_size, device=experiment.device)
         bar.close()
         with records_path.open("w") as handle:
             for record in records:

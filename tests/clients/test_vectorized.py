@@ -167,7 +167,7 @@ def test_group_and_layer_norm_are_vectorized(norm):
     model = _Normed(norm)
     assert vec.can_vectorize(model) == (True, "")
     kwargs = _kwargs(model, LocalTraining(epochs=2, batch_size=3, lr=0.1), clip_norm=0.5, stp=False)
-    result, metrics, path = vec.contribution(_normed_users(), **kwargs)
+    result, metrics, path = vec.contribution(_normed_users(), vectorized=True, **kwargs)
     assert path == "vectorized"
     _assert_same((result, metrics), seq.users_contribution(_normed_users(), **kwargs))
 
@@ -185,7 +185,7 @@ def test_batchnorm_is_rejected_with_the_reason():
     # auto: the sequential path runs (users trained one at a time) and says so
     result, metrics, path = vec.contribution(_normed_users(), **kwargs)
     assert path == "sequential"
-    assert vec.select_path(model) == ("sequential", reason)
+    assert vec.select_path(model, device="cuda") == ("sequential", reason)
     torch.manual_seed(0)
     fresh = _Normed(nn.BatchNorm2d(4))
     expected, expected_metrics = seq.users_contribution(_normed_users(), **{**kwargs, "model": fresh})
@@ -204,7 +204,7 @@ def test_active_dropout_falls_back_and_eval_mode_vectorizes():
 def test_dispatcher_reports_the_path_and_the_forced_sequential_path_is_the_sequential_code():
     model, users, training = _linear_setup()
     kwargs = _kwargs(model, training, clip_norm=1.0, stp=True)
-    result, metrics, path = vec.contribution(users, **kwargs)
+    result, metrics, path = vec.contribution(users, vectorized=True, **kwargs)
     assert path == "vectorized"
     assert all(isinstance(v, float) for v in metrics.values())  # ready for a Flower MetricRecord
     _assert_same((result, metrics), seq.users_contribution(users, **kwargs))
@@ -235,3 +235,17 @@ def test_auto_chunk_size_bounds_memory():
     assert vec.auto_chunk_size(25_578) == vec.DEFAULT_CHUNK_SIZE  # W1
     assert vec.auto_chunk_size(9216 * 255) == 7  # heavy-tail default: 256 MiB / (16 B · d)
     assert vec.auto_chunk_size(10**9) == 1
+
+
+def test_auto_path_is_vectorized_on_cuda_and_sequential_on_cpu():
+    """The auto rule looks at the device type only (no GPU needed to check it); forced choices win."""
+    model = nn.Linear(3, 2)
+    assert vec.select_path(model, None, torch.device("cuda"))[0] == "vectorized"
+    assert vec.select_path(model, None, "cuda:1")[0] == "vectorized"
+    path, reason = vec.select_path(model, None, "cpu")
+    assert path == "sequential" and "CPU" in reason
+    assert vec.select_path(model, True, "cpu")[0] == "vectorized"
+    assert vec.select_path(model, False, "cuda")[0] == "sequential"
+    model, users, training = _linear_setup()
+    _, _, path = vec.contribution(users, **_kwargs(model, training, clip_norm=1.0, stp=False))
+    assert path == "sequential"  # params on the CPU

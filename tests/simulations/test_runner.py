@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fed_dp.accounting import epsilon
 from simulations.cli import main
@@ -47,12 +48,24 @@ def test_overrides_parse_toml_values_and_reject_unknown_tables():
         (['run.optimizers=["dp-lion"]'], "unknown optimizer"),
         (["optimizers.dp-sgd.lr=-1.0"], "lr"),
         (["run.colour=1"], "unknown \\[run\\]"),
-    ],
+        (['run.engine="fast"'], "run.engine"),
+        (["run.chunk-size=-2"], "chunk-size"),
+        (['run.device="tpu"'], "device"),
+    ]
+    + ([] if torch.cuda.is_available() else [(['run.device="cuda"'], "no CUDA device")]),
 )
 def test_invalid_configs_fail_before_training(extra, message):
     config = _tiny(extra)
     with pytest.raises(ValueError, match=message):
         parse_experiment(config, num_users=16)
+
+
+def test_run_table_chooses_the_engine_path_device_and_chunks():
+    experiment = parse_experiment(_tiny(['run.engine="vectorized"', 'run.device="cpu"', "run.chunk-size=4"]), 16)
+    assert (experiment.vectorized, experiment.device, experiment.chunk_size) == (True, "cpu", 4)
+    default = parse_experiment(_tiny(), 16)
+    assert (default.vectorized, default.device, default.chunk_size) == (None, "auto", None)
+    assert parse_experiment(_tiny(['run.engine="sequential"']), 16).vectorized is False
 
 
 def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
