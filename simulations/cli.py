@@ -3,6 +3,7 @@
     fed-dp simulate [CONFIG] [--set table.key=value ...] [--out DIR] [--no-plot]
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
+    fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
 
 ``fed-dp simulate`` with no arguments runs the built-in default: a scaled-down seed-003 comparison of
 DP-SGD, DP-SGD with momentum, DP-Adam and DP-AdamBC on the heavy-tail synthetic task.
@@ -91,7 +92,26 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("folders", nargs="+", metavar="DIR", help="results folders written by simulate/compare")
     plot.add_argument("--out", metavar="DIR", help="where to write the figures (default: the first folder)")
     plot.set_defaults(run=_run_plot)
+    benchmark = commands.add_parser(
+        "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
+        description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "
+        "min-max and ratios (see simulations/benchmark.py).",
+    )
+    _benchmark_arguments(benchmark)
+    benchmark.set_defaults(run=_run_benchmark)
     return parser
+
+
+def _benchmark_arguments(parser: argparse.ArgumentParser) -> None:
+    from simulations.benchmark import build_parser as benchmark_parser
+
+    benchmark_parser(parser)
+
+
+def _run_benchmark(args: argparse.Namespace) -> None:
+    from simulations.benchmark import run
+
+    run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

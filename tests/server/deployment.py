@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -35,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from server.local_simulation import format_run_config, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CERTIFICATE_SCRIPT = REPO / "server" / "make_certificates.sh"
@@ -46,29 +47,6 @@ def make_certificates(folder: Path, nodes: int = 0) -> Path:
     subprocess.run(["bash", str(CERTIFICATE_SCRIPT), str(folder), str(nodes)], check=True, capture_output=True,
                    text=True, timeout=60)
     return folder
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def format_run_config(values: dict[str, Any]) -> str:
-    """``{"privacy.rounds": 3, "task.name": "x"}`` → ``privacy.rounds=3 task.name='x'`` (TOML values)."""
-
-    def toml(value: Any) -> str:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, (int, float)):
-            return repr(value)
-        text = str(value)
-        if "'" in text or "\n" in text:
-            raise ValueError(f"run-config value {text!r}: a single quote or newline cannot pass flwr's parser")
-        return f"'{text}'"
-
-    return " ".join(f"{key}={toml(value)}" for key, value in values.items())
 
 
 def format_node_config(values: dict[str, Any]) -> str:

@@ -1,0 +1,565 @@
+"""``fed-dp benchmark``: the workloads of BENCHMARKS.md, measured side by side in one invocation.
+
+    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu] [--smoke]
+
+Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`` with a figure
+``DIR/benchmark.png``):
+
+``w1``
+    W1 (500 users × 32 CIFAR-shaped examples, W1 CNN, 10 rounds, expected cohort 50, 1 local epoch of
+    batch 16 at lr 0.05, ζ = 1, σ = 1, FedAvg η = 1), ``--runs`` times each, on:
+
+    - ``flower-dp``: Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg)`` through
+      ``run_simulation`` (``simulations.flower_baseline``), Flower's default 2 CPUs per ClientApp;
+    - ``flower-dp-1cpu``: the same with 1 CPU per ClientApp (two workers on two cores);
+    - ``fed-dp-flower``: the project's ServerApp/ClientApp through ``flwr run`` (Flower's simulation
+      engine), one virtual SuperNode per user, 1 CPU per ClientApp;
+    - ``engine``: the in-process engine (auto path: one user at a time on the CPU, vectorized on CUDA),
+      all torch threads; ``engine-1thread``: the same with one torch thread; ``engine-vectorized``: the
+      ``torch.func`` path forced;
+    - ``plain``: non-private, non-federated minibatch SGD over the same number of examples in the same
+      minibatches (the local-training compute alone, the floor of every system above).
+
+    Time = wall time of the 10 rounds (Flower: ``strategy.start``; the project's apps: the sum of the
+    server's ``round_seconds``; the engine: its ``run`` call). The engine's rounds read ε from the
+    memoized accounting (computed once per configuration, timed separately as ``accounting``); the
+    project's ServerApp accounts inside its rounds. Medians, min–max and the ratio of medians to
+    ``flower-dp`` are printed. Every system trains the same users (``synthetic.w1_user_data``) on the
+    same model; Flower samples exactly 50 users per round, fed-dp's Poisson sampler 50 in expectation
+    (the users trained are printed).
+``scaling``
+    The engine with cohorts of 50, 200 and 1,000 users per round (every user every round), against plain
+    minibatch training over the same examples: the per-user overhead is (round − plain) / users.
+``noise``
+    One BandMF noise step at d = 10⁷, b = 64 (the strategy optimized for T = 2,000: its cold time is
+    reported too) against drawing one N(0, I_d) vector; the memory of the (b − 1) × d buffer.
+``accounting``
+    ε after 10,000 Poisson-sampled Gaussian rounds with PLD, and calibrating σ for a target ε.
+``gpu`` (only with CUDA)
+    W1 scaled to 10,000 users and 1,000 per round on ``cuda``: users/s of the engine's vectorized path
+    and the ratio to plain minibatch training over the same examples on the same GPU.
+
+Machines are shared and noisy: compare ratios measured in the same run, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from clients.training import LocalTraining
+from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+from fed_dp.config import PrivacyConfig
+from fed_dp.context import simulation
+from fed_dp.noise import Privatizer
+from fed_dp.optimizers import make_optimizer
+from fed_dp.strategy import optimize_toeplitz
+from simulations import engine
+from simulations.flower_baseline import BaselineConfig, W1Workload
+from simulations.tasks import w1_task
+
+SECTIONS = ("w1", "scaling", "noise", "accounting", "gpu")
+
+
+@dataclass(frozen=True)
+class W1Spec(W1Workload):
+    """BENCHMARKS.md W1 with its privacy parameters; ``smoke()`` is a seconds-long version for tests."""
+
+    delta: float = 1e-5
+    accountant: str = "rdp"  # the per-round ε of the ServerApp's ledger: RDP costs ~0.1 s, PLD ~0.5 s
+
+    @classmethod
+    def smoke(cls) -> "W1Spec":
+        return cls(users=12, cohort=4, rounds=2, examples=8, batch_size=4)
+
+    def privacy(self, *, sampler: str = "poisson", cohort: int | None = None, users: int | None = None) -> PrivacyConfig:
+        return PrivacyConfig(num_users=users or self.users, expected_cohort=cohort or self.cohort, rounds=self.rounds,
+                             noise_multiplier=self.noise_multiplier, delta=self.delta, clip_norm=self.clip_norm,
+                             sampler=sampler, accountant=self.accountant)
+
+    def training(self) -> LocalTraining:
+        return LocalTraining(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr)
+
+    def baseline(self, out: Path, client_cpus: int) -> BaselineConfig:
+        return BaselineConfig(**self.workload(), client_cpus=client_cpus, out=str(out))
+
+    def run_config(self, checkpoint_dir: Path) -> dict[str, Any]:
+        """The project's Flower run config for W1 (DP-FedAvg with η = 1 is FedAvg of the noisy mean)."""
+        return {
+            "task.name": "w1", "task.users": self.users, "task.examples": self.examples,
+            "privacy.expected-cohort": self.cohort, "privacy.rounds": self.rounds,
+            "privacy.noise-multiplier": self.noise_multiplier, "privacy.clip-norm": self.clip_norm,
+            "privacy.delta": self.delta, "privacy.accountant": self.accountant, "privacy.sampler": "poisson",
+            "optimizer.name": "dp-fedavg", "optimizer.lr": 1.0,
+            "local.epochs": self.epochs, "local.batch-size": self.batch_size, "local.lr": self.lr,
+            "run.seed": self.seed, "server.evaluate": False, "server.checkpoint-dir": str(checkpoint_dir),
+            "client.device": "cpu",
+        }
+
+
+# --- statistics and printing ------------------------------------------------------------------------------
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median, min, max and the count of a list of measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op torch threads (None: leave as is)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- W1 systems -------------------------------------------------------------------------------------------
+
+
+def accounting_seconds(privacy: PrivacyConfig) -> float:
+    """Wall time of ε after every round 1..T from cold (the memo is cleared first); leaves it warm."""
+    epsilon.cache_clear()
+    seconds, _ = _timed(lambda: [epsilon(privacy, t) for t in range(1, privacy.rounds + 1)])
+    return seconds
+
+
+def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: int, vectorized: bool | None,
+               device: str = "cpu", chunk_size: int | None = None) -> dict[str, Any]:
+    """One timed run of the in-process engine (DP-FedAvg, η = 1); ε is read from the warm memo."""
+    for t in range(1, privacy.rounds + 1):
+        epsilon(privacy, t)
+    with simulation():
+        optimizer = make_optimizer("dp-fedavg", lr=1.0)
+    resolved = engine.resolve_device(device)
+    _sync(resolved)
+    seconds, (_, records) = _timed(lambda: engine.run(
+        task, privacy, optimizer, training, seed=seed, eval_every=privacy.rounds, vectorized=vectorized,
+        chunk_size=chunk_size, device=resolved))
+    _sync(resolved)
+    return {"seconds": seconds, "users": sum(int(r["cohort_size"]) for r in records),
+            "path": "vectorized" if records and records[-1]["vectorized"] else "sequential",
+            "round_seconds": [r["round_seconds"] for r in records], "epsilon": records[-1]["epsilon"]}
+
+
+def plain_training_seconds(task, users_per_round: list[list[int]], training: LocalTraining, *,
+                           device: str = "cpu", seed: int = 0) -> float:
+    """Non-private, non-federated minibatch SGD of one model over the same examples as the rounds: for
+    every round, the examples of its users, shuffled, in minibatches of ``training.batch_size`` (one
+    model, no per-user copies, no clipping or noise). The channels-last layout, as the engine uses; one
+    untimed warm-up step first."""
+    device = engine.resolve_device(device)
+    torch.manual_seed(seed)
+    model = task.make_model().to(device).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=training.lr)
+    rounds = []
+    for users in users_per_round:
+        x = torch.cat([task.users[u].x for u in users]).to(device).contiguous(memory_format=torch.channels_last)
+        y = torch.cat([task.users[u].y for u in users]).to(device)
+        rounds.append((x, y))
+    generator = torch.Generator().manual_seed(seed)
+    if rounds and len(rounds[0][1]):  # warm-up step, untimed (kernel selection, allocator)
+        x, y = rounds[0]
+        F.cross_entropy(model(x[: training.batch_size]), y[: training.batch_size]).backward()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+
+    def train() -> None:
+        for x, y in rounds:
+            for _ in range(training.epochs):
+                order = torch.randperm(len(y), generator=generator).to(device)
+                for start in range(0, len(y), training.batch_size):
+                    batch = order[start : start + training.batch_size]
+                    optimizer.zero_grad(set_to_none=True)
+                    F.cross_entropy(model(x[batch]), y[batch]).backward()
+                    optimizer.step()
+        _sync(device)
+
+    seconds, _ = _timed(train)
+    return seconds
+
+
+def _cohorts(privacy: PrivacyConfig, seed: int) -> list[list[int]]:
+    """The users the engine's sampler draws in every round of ``privacy`` with ``seed``."""
+    from fed_dp.sampling import make_sampler
+
+    sampler = make_sampler(privacy, seed=seed)
+    return [sampler.next_cohort().tolist() for _ in range(privacy.rounds)]
+
+
+def flower_baseline_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: float) -> dict[str, Any]:
+    """One run of Flower's own DP simulation of W1 in a fresh Python process."""
+    out = folder / f"flower-{client_cpus}cpu-{time.time_ns()}.json"
+    config = spec.baseline(out, client_cpus)
+    args = [sys.executable, "-m", "simulations.flower_baseline"]
+    for key, value in asdict(config).items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    log = folder / (out.stem + ".log")
+    with open(log, "wb") as handle:
+        done = subprocess.run(args, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"Flower's DP simulation failed (exit {done.returncode}); its log: {log}")
+    result = json.loads(out.read_text())
+    if result["trained_rounds"] != spec.rounds:
+        raise RuntimeError(f"Flower's DP simulation trained {result['trained_rounds']} of {spec.rounds} rounds; log: {log}")
+    return {"seconds": result["rounds_seconds"], "total_seconds": result["total_seconds"],
+            "users": spec.cohort * spec.rounds}
+
+
+def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: float) -> dict[str, Any]:
+    """One run of the project's ServerApp/ClientApp through ``flwr run`` (simulation engine)."""
+    from server import local_simulation
+
+    stamp = time.time_ns()
+    checkpoint = folder / f"fed-dp-flower-{stamp}"
+    total, log = _timed(lambda: local_simulation.run(folder / f"flwr-home-{stamp}", spec.run_config(checkpoint),
+                                                     supernodes=spec.users, client_cpus=client_cpus, timeout=timeout))
+    results = checkpoint / "results.json"
+    records = json.loads(results.read_text()) if results.exists() else []
+    if len(records) != spec.rounds:
+        raise RuntimeError(f"the project's Flower apps ran {len(records)} of {spec.rounds} rounds; log tail:\n"
+                           + "\n".join(log.splitlines()[-30:]))
+    return {"seconds": sum(r["round_seconds"] for r in records), "total_seconds": total,
+            "users": sum(int(r["replied_users"]) for r in records), "epsilon": records[-1]["epsilon"]}
+
+
+def bench_w1(spec: W1Spec, runs: int, folder: Path, *, flower: bool, timeout: float, smoke: bool = False,
+             log=print) -> dict[str, Any]:
+    """Every W1 system ``runs`` times (interleaved, so slow phases of a shared machine hit all of them)."""
+    task = w1_task(users=spec.users, examples=spec.examples)
+    privacy, training = spec.privacy(), spec.training()
+    results: dict[str, list[dict[str, Any]]] = {}
+    systems: dict[str, Callable[[], dict[str, Any]]] = {}
+    if flower:
+        systems["flower-dp"] = lambda: flower_baseline_run(spec, 2, folder, timeout)
+        if not smoke:
+            systems["flower-dp-1cpu"] = lambda: flower_baseline_run(spec, 1, folder, timeout)
+        systems["fed-dp-flower"] = lambda: project_flower_run(spec, 1, folder, timeout)
+    systems["engine"] = lambda: engine_run(task, privacy, training, seed=spec.seed, vectorized=None)
+    systems["engine-1thread"] = lambda: _one_thread(
+        lambda: engine_run(task, privacy, training, seed=spec.seed, vectorized=None))
+    systems["engine-vectorized"] = lambda: engine_run(task, privacy, training, seed=spec.seed, vectorized=True)
+    cohorts = _cohorts(privacy, spec.seed)
+    systems["plain"] = lambda: {"seconds": plain_training_seconds(task, cohorts, training),
+                                "users": sum(len(c) for c in cohorts)}
+    accounting = accounting_seconds(privacy)
+    log(f"W1: {task.description}; accounting (ε of rounds 1..{privacy.rounds}, {privacy.accountant}): {accounting:.2f} s")
+    for run in range(runs):
+        for name, system in systems.items():
+            result = system()
+            results.setdefault(name, []).append(result)
+            log(f"  run {run + 1}/{runs} {name:>18}: {result['seconds']:7.2f} s  ({result['users']} users)")
+    summary = {name: {**summarize([r["seconds"] for r in rs]), "users": rs[-1]["users"],
+                      **({"total_seconds": summarize([r["total_seconds"] for r in rs])} if "total_seconds" in rs[-1] else {}),
+                      **({"path": rs[-1]["path"]} if "path" in rs[-1] else {})}
+               for name, rs in results.items()}
+    reference = summary.get("flower-dp", {}).get("median")
+    for name, entry in summary.items():
+        entry["speedup_vs_flower_dp"] = reference / entry["median"] if reference else None
+    engine_eps = results["engine"][-1]["epsilon"]
+    return {"spec": asdict(spec), "accounting_seconds": accounting, "systems": summary, "epsilon": engine_eps,
+            "flower_epsilon": results["fed-dp-flower"][-1]["epsilon"] if "fed-dp-flower" in results else None,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _one_thread(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    with torch_threads(1):
+        return fn()
+
+
+def format_w1(result: dict[str, Any]) -> str:
+    rows = []
+    for name, entry in result["systems"].items():
+        speed = entry["speedup_vs_flower_dp"]
+        total = entry.get("total_seconds", {}).get("median")
+        rows.append([name, f"{entry['median']:.2f}", f"{entry['min']:.2f}–{entry['max']:.2f}",
+                     "" if total is None else f"{total:.1f}", str(entry["users"]),
+                     "" if speed is None else f"{speed:.1f}×"])
+    header = ["W1 system", "median s", "min–max s", "total s", "users", "vs flower-dp"]
+    return _table(header, rows) + (f"\nuser-level ε after {result['spec']['rounds']} rounds: {result['epsilon']:.4f} "
+                                   f"({result['spec']['accountant']}, δ = {result['spec']['delta']:g}); "
+                                   f"accounting {result['accounting_seconds']:.2f} s once per configuration")
+
+
+# --- cohort scaling -----------------------------------------------------------------------------------------
+
+
+def bench_scaling(spec: W1Spec, cohorts: tuple[int, ...], rounds: int, runs: int, log=print) -> dict[str, Any]:
+    """Engine rounds with every user of a cohort-sized W1 task, against plain training on the same examples."""
+    rows = []
+    for cohort in cohorts:
+        task = w1_task(users=cohort, examples=spec.examples)
+        privacy = replace(spec, rounds=rounds).privacy(sampler="all", cohort=cohort, users=cohort)
+        engine_seconds, plain_seconds = [], []
+        for _ in range(runs):
+            result = engine_run(task, privacy, spec.training(), seed=spec.seed, vectorized=None)
+            engine_seconds.append(statistics.median(result["round_seconds"]))
+            plain_seconds.append(plain_training_seconds(task, [list(range(cohort))], spec.training()))
+        round_s, plain_s = statistics.median(engine_seconds), statistics.median(plain_seconds)
+        rows.append({"cohort": cohort, "round_seconds": round_s, "plain_seconds": plain_s,
+                     "per_user_ms": 1e3 * round_s / cohort, "overhead_ms_per_user": 1e3 * (round_s - plain_s) / cohort})
+        log(f"  cohort {cohort}: round {round_s:.3f} s, plain {plain_s:.3f} s")
+    return {"rounds": rounds, "runs": runs, "rows": rows}
+
+
+def format_scaling(result: dict[str, Any]) -> str:
+    rows = [[str(r["cohort"]), f"{r['round_seconds']:.3f}", f"{r['plain_seconds']:.3f}", f"{r['per_user_ms']:.2f}",
+             f"{r['overhead_ms_per_user']:+.2f}"] for r in result["rows"]]
+    return _table(["users/round", "round s", "plain s", "ms/user", "overhead ms/user"], rows)
+
+
+# --- noise and accounting -----------------------------------------------------------------------------------
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_noise(dim: int, bands: int, horizon: int, steps: int, log=print) -> dict[str, Any]:
+    """BandMF step (one batched (b−1)×d product) vs one N(0, I_d) draw; the strategy's cold optimization."""
+    with tempfile.TemporaryDirectory() as cache:
+        optimize_seconds, strategy = _timed(lambda: optimize_toeplitz(horizon, bands, cache_dir=cache))
+        cached_seconds, _ = _timed(lambda: optimize_toeplitz(horizon, bands, cache_dir=cache))
+    log(f"  strategy T = {horizon}, b = {bands}: optimized in {optimize_seconds:.1f} s, cached read {cached_seconds:.3f} s")
+    rss_before = _resident_bytes()
+    privatizer = Privatizer(strategy, noise_std=1.0, dim=dim, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(bands):  # fill the ring buffer first: untouched zero pages would make the product cheap
+        privatizer.next_noise()
+    band_times, gauss_times = [], []
+    for _ in range(steps):
+        band_times.append(_timed(privatizer.next_noise)[0])
+        gauss_times.append(_timed(lambda: torch.randn(dim, generator=generator))[0])
+    band, gauss = statistics.median(band_times), statistics.median(gauss_times)
+    buffer_bytes = privatizer._buffer.numel() * privatizer._buffer.element_size()
+    rss_after = _resident_bytes()
+    rss_growth = None if rss_before is None or rss_after is None else rss_after - rss_before
+    return {"dim": dim, "bands": bands, "horizon": horizon, "steps": steps, "bandmf_step_seconds": band,
+            "gaussian_seconds": gauss, "ratio": band / gauss, "buffer_bytes": buffer_bytes,
+            "resident_growth_bytes": rss_growth, "optimize_seconds": optimize_seconds,
+            "cached_strategy_seconds": cached_seconds}
+
+
+def format_noise(r: dict[str, Any]) -> str:
+    return (f"BandMF noise step, d = {r['dim']:.0e}, b = {r['bands']}: {1e3 * r['bandmf_step_seconds']:.1f} ms "
+            f"vs one N(0, I_d) draw {1e3 * r['gaussian_seconds']:.1f} ms ({r['ratio']:.1f}×); buffer "
+            f"(b−1)×d float32 = {r['buffer_bytes'] / 2**30:.2f} GiB"
+            + ("" if r["resident_growth_bytes"] is None else
+               f" (resident memory grew {r['resident_growth_bytes'] / 2**30:.2f} GiB with the privatizer)") + "\n"
+            f"strategy optimization T = {r['horizon']}, b = {r['bands']}: {r['optimize_seconds']:.1f} s cold, "
+            f"{r['cached_strategy_seconds']:.3f} s from the cache")
+
+
+def bench_accounting(rounds: int, target_epsilon: float, accountant: str = "pld") -> dict[str, Any]:
+    """ε after ``rounds`` Poisson-sampled Gaussian rounds and σ calibration, from cold."""
+    config = PrivacyConfig(num_users=100_000, expected_cohort=1_000, rounds=rounds, noise_multiplier=1.0,
+                           delta=1e-6, accountant=accountant)
+    epsilon.cache_clear()
+    eps_seconds, eps = _timed(lambda: epsilon(config))
+    calibrate_seconds, sigma = _timed(lambda: calibrate_noise_multiplier(config, target_epsilon))
+    return {"rounds": rounds, "q": config.sampling_rate, "delta": config.delta, "accountant": accountant, "epsilon": eps,
+            "epsilon_seconds": eps_seconds, "target_epsilon": target_epsilon, "calibrated_sigma": sigma,
+            "calibrate_seconds": calibrate_seconds}
+
+
+def format_accounting(r: dict[str, Any]) -> str:
+    return (f"ε after {r['rounds']:,} rounds (Poisson q = {r['q']:g}, σ = 1, {r['accountant'].upper()}, δ = {r['delta']:g}) = "
+            f"{r['epsilon']:.3f} in {r['epsilon_seconds']:.2f} s; calibrating σ for ε = {r['target_epsilon']:g}: "
+            f"σ = {r['calibrated_sigma']:.4f} in {r['calibrate_seconds']:.1f} s")
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------
+
+
+def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, log=print) -> dict[str, Any]:
+    """W1 scaled up on ``device``: the vectorized engine's users/s and its ratio to plain training."""
+    task = w1_task(users=users, examples=spec.examples)
+    privacy = replace(spec, rounds=rounds).privacy(cohort=cohort, users=users)
+    for t in range(1, rounds + 1):
+        epsilon(privacy, t)
+    engine_run(task, replace(privacy, rounds=1), spec.training(), seed=spec.seed, vectorized=True, device=device)  # warm-up
+    result = engine_run(task, privacy, spec.training(), seed=spec.seed, vectorized=True, device=device)
+    plain_training_seconds(task, _cohorts(privacy, spec.seed)[:1], spec.training(), device=device)  # warm-up
+    plain = plain_training_seconds(task, _cohorts(privacy, spec.seed), spec.training(), device=device)
+    users_per_second = result["users"] / result["seconds"]
+    plain_users_per_second = result["users"] / plain
+    log(f"  {device}: engine {users_per_second:.0f} users/s, plain {plain_users_per_second:.0f} users/s")
+    return {"device": str(engine.resolve_device(device)), "users": users, "cohort": cohort, "rounds": rounds,
+            "engine_seconds": result["seconds"], "plain_seconds": plain, "users_per_second": users_per_second,
+            "plain_users_per_second": plain_users_per_second, "ratio_to_plain": users_per_second / plain_users_per_second,
+            "name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def format_gpu(r: dict[str, Any]) -> str:
+    return (f"{r['name']}: W1 with {r['users']:,} users, {r['cohort']:,} per round, {r['rounds']} rounds: engine "
+            f"(vectorized) {r['users_per_second']:.0f} users/s, plain minibatch training {r['plain_users_per_second']:.0f} "
+            f"users/s: {r['ratio_to_plain']:.2f} of plain")
+
+
+# --- figure and command -----------------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """W1 medians with min–max whiskers and the ratio to flower-dp; when measured, the cohort scaling."""
+    if "w1" not in results and "scaling" not in results:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("w1", "scaling") if k in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "w1":
+            systems = results["w1"]["systems"]
+            names = list(systems)
+            med = [systems[n]["median"] for n in names]
+            err = [[m - systems[n]["min"] for n, m in zip(names, med)], [systems[n]["max"] - m for n, m in zip(names, med)]]
+            ax.barh(names, med, xerr=err, capsize=3,
+                    color=["tab:gray" if n.startswith("flower") else "tab:blue" for n in names])
+            for i, name in enumerate(names):
+                speed = systems[name]["speedup_vs_flower_dp"]
+                relative = "" if not speed or name == "flower-dp" else (
+                    f"  ({speed:.1f}× faster)" if speed >= 1 else f"  ({1 / speed:.1f}× slower)")
+                label = f" {med[i]:.1f} s{relative}"
+                ax.text(systems[name]["max"], i, label, va="center", fontsize=8)
+            ax.set_xlim(0, 1.45 * max(systems[n]["max"] for n in names))
+            ax.set_xlabel("wall time of the W1 rounds (s)")
+            ax.invert_yaxis()
+            ax.set_title(f"W1, median of {systems[names[0]]['runs']} runs (min–max)")
+        else:
+            rows = results["scaling"]["rows"]
+            ax.plot([r["cohort"] for r in rows], [r["round_seconds"] for r in rows], "o-", label="engine round")
+            ax.plot([r["cohort"] for r in rows], [r["plain_seconds"] for r in rows], "s--", label="plain training")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("users per round")
+            ax.set_ylabel("seconds")
+            ax.legend()
+            ax.set_title("cohort scaling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="fed-dp benchmark")
+    parser.add_argument("--runs", type=int, default=3, help="runs of every W1 system and scaling point (default 3)")
+    parser.add_argument("--only", default=",".join(SECTIONS), metavar="A,B",
+                        help=f"sections to run, from {','.join(SECTIONS)} (default: all; gpu only with CUDA)")
+    parser.add_argument("--no-flower", action="store_true", help="skip the Flower systems of W1 (no Ray, no flwr run)")
+    parser.add_argument("--out", metavar="DIR", help="where to save benchmark.json and benchmark.png "
+                        "(default: results/benchmark-<time>)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, one run: checks that every section works (seconds, not a measurement)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one Flower run (default 600)")
+    return parser
+
+
+def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown benchmark section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    if not (isinstance(args.runs, int) and args.runs >= 1):
+        raise ValueError(f"--runs must be >= 1, got {args.runs}")
+    runs = 1 if args.smoke else args.runs
+    spec = W1Spec.smoke() if args.smoke else W1Spec()
+    out = Path(args.out) if args.out else Path("results") / f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                                           "torch_threads": torch.get_num_threads(),
+                                           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+                               "smoke": bool(args.smoke)}
+    printed: list[str] = []
+
+    def section(title: str, text: str) -> None:
+        block = f"\n== {title} ==\n{text}"
+        printed.append(block)
+        log(block)
+
+    if "w1" in sections:
+        log("measuring W1 ...")
+        with tempfile.TemporaryDirectory(prefix="fed-dp-bench-") as folder:
+            results["w1"] = bench_w1(spec, runs, Path(folder), flower=not args.no_flower, timeout=args.timeout,
+                                     smoke=args.smoke, log=log)
+        section("W1", format_w1(results["w1"]))
+    if "scaling" in sections:
+        log("measuring cohort scaling ...")
+        cohorts, rounds = ((4, 8), 2) if args.smoke else ((50, 200, 1000), 3)
+        results["scaling"] = bench_scaling(spec, cohorts, rounds, runs, log=log)
+        section("cohort scaling (engine, every user every round; median round)", format_scaling(results["scaling"]))
+    if "noise" in sections:
+        log("measuring noise ...")
+        dim, bands, horizon = (10_000, 8, 64) if args.smoke else (10**7, 64, 2000)
+        results["noise"] = bench_noise(dim, bands, horizon, steps=3 if args.smoke else 10, log=log)
+        section("noise", format_noise(results["noise"]))
+    if "accounting" in sections:
+        results["accounting"] = bench_accounting(100, 8.0, "rdp") if args.smoke else bench_accounting(10_000, 8.0)
+        section("accounting", format_accounting(results["accounting"]))
+    if "gpu" in sections:
+        if torch.cuda.is_available():
+            log("measuring on the GPU ...")
+            users, cohort, rounds = (64, 16, 2) if args.smoke else (10_000, 1_000, 5)
+            results["gpu"] = bench_gpu(spec, users, cohort, rounds, "cuda", log=log)
+            section("GPU", format_gpu(results["gpu"]))
+        else:
+            results["gpu"] = None
+            section("GPU", "no CUDA device on this machine: skipped")
+    (out / "benchmark.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "benchmark.txt").write_text("\n".join(printed) + "\n")
+    figure = plot(results, out / "benchmark.png")
+    log(f"\nresults: {out / 'benchmark.json'}, {out / 'benchmark.txt'}" + (f", {figure}" if figure else ""))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The benchmark: a smoke run of every section (Flower included), and the pieces it is built from.
+
+Times are never asserted (machines are shared and noisy); what is checked is that every system ran the
+workload it claims to, with the same privacy configuration, and that the figures are computed from
+the measurements (medians, ratios, overheads).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fed_dp.accounting import epsilon
+from server.config import DEFAULTS, parse_app_config
+from simulations import benchmark
+from simulations.cli import main as cli_main
+from simulations.flower_baseline import BaselineConfig
+
+
+def test_summarize_is_median_min_max():
+    assert benchmark.summarize([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "runs": 4}
+
+
+def test_w1_spec_is_benchmarks_md_and_flower_runs_the_same_config():
+    spec = benchmark.W1Spec()
+    assert (spec.users, spec.cohort, spec.rounds, spec.examples, spec.batch_size, spec.epochs) == (500, 50, 10, 32, 16, 1)
+    assert (spec.lr, spec.clip_norm, spec.noise_multiplier) == (0.05, 1.0, 1.0)
+    run_config = spec.run_config(checkpoint_dir="/tmp/x")
+    assert set(run_config) <= set(DEFAULTS)  # every key exists in the Flower app's run config
+    app = parse_app_config(run_config)
+    assert app.experiment.privacy == spec.privacy()
+    assert app.optimizer_name == "dp-fedavg" and app.experiment.optimizers["dp-fedavg"] == {"lr": 1.0}
+    assert app.experiment.local == spec.training()
+    baseline = spec.baseline("/tmp/out.json", client_cpus=2)
+    assert isinstance(baseline, BaselineConfig)
+    assert (baseline.users, baseline.cohort, baseline.rounds, baseline.lr, baseline.clip_norm,
+            baseline.noise_multiplier) == (500, 50, 10, 0.05, 1.0, 1.0)
+
+
+def test_unknown_section_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["benchmark", "--only", "w1,warp", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "unknown benchmark section(s) ['warp']" in capsys.readouterr().err
+
+
+def test_smoke_run_measures_every_section_side_by_side(tmp_path):
+    """`fed-dp benchmark --smoke`: Flower's DP simulation, the project's Flower apps, the engine's paths
+    and plain training on a tiny W1; scaling; a BandMF step; accounting; saved JSON, text and figure."""
+    out = tmp_path / "bench"
+    assert cli_main(["benchmark", "--smoke", "--out", str(out)]) == 0
+    results = json.loads((out / "benchmark.json").read_text())
+    assert (out / "benchmark.png").stat().st_size > 0 and "W1 system" in (out / "benchmark.txt").read_text()
+
+    w1 = results["w1"]
+    spec = benchmark.W1Spec(**w1["spec"])
+    systems = w1["systems"]
+    assert {"flower-dp", "fed-dp-flower", "engine", "engine-1thread", "engine-vectorized", "plain"} <= set(systems)
+    assert systems["flower-dp"]["users"] == spec.cohort * spec.rounds  # Flower samples exactly the cohort
+    engine_users = systems["engine"]["users"]
+    assert systems["fed-dp-flower"]["users"] == engine_users == systems["plain"]["users"]  # the same Poisson cohorts
+    assert systems["engine"]["path"] == "sequential" and systems["engine-vectorized"]["path"] == "vectorized"
+    for entry in systems.values():
+        assert entry["min"] <= entry["median"] <= entry["max"] and entry["runs"] == 1
+        assert entry["speedup_vs_flower_dp"] == pytest.approx(systems["flower-dp"]["median"] / entry["median"])
+    assert w1["epsilon"] == w1["flower_epsilon"] == epsilon(spec.privacy(), spec.rounds)
+
+    for row in results["scaling"]["rows"]:
+        assert row["overhead_ms_per_user"] == pytest.approx(1e3 * (row["round_seconds"] - row["plain_seconds"]) / row["cohort"])
+    noise = results["noise"]
+    assert noise["buffer_bytes"] == (noise["bands"] - 1) * noise["dim"] * 4
+    assert noise["ratio"] == pytest.approx(noise["bandmf_step_seconds"] / noise["gaussian_seconds"])
+    accounting = results["accounting"]
+    assert accounting["epsilon"] > 0 and accounting["calibrated_sigma"] > 0
