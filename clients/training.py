@@ -15,7 +15,7 @@ engine reproduces the same local updates.
 
 Users' data is moved to the device of the broadcast parameters (``params.device``: CPU or ``cuda``), and
 image batches for convolutional models run in the channels-last memory format (see
-:func:`input_memory_format`): the same numbers up to float32 rounding, measured 1.5–1.8× faster on the
+:func:`input_memory_format`): the same numbers up to float32 rounding, measured 1.5–2× faster on the
 2-core CPUs here for the W1 CNN, whose NCHW max-pooling was the slowest kernel.
 """
 

@@ -73,6 +73,8 @@ from simulations.flower_baseline import BaselineConfig, W1Workload
 from simulations.tasks import w1_task
 
 SECTIONS = ("w1", "scaling", "noise", "accounting", "gpu")
+#: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
+SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "fed-dp-flower")
 
 
 @dataclass(frozen=True)
@@ -180,26 +182,25 @@ def plain_training_seconds(task, users_per_round: list[list[int]], training: Loc
                            device: str = "cpu", seed: int = 0) -> float:
     """Non-private, non-federated minibatch SGD of one model over the same examples as the rounds: for
     every round, the examples of its users, shuffled, in minibatches of ``training.batch_size`` (one
-    model, no per-user copies, no clipping or noise). The channels-last layout, as the engine uses; one
-    untimed warm-up step first."""
+    model, no per-user copies, no clipping or noise). The channels-last layout, as the engine uses. Timed:
+    gathering each round's examples onto the device in that layout, and the SGD steps; one untimed
+    warm-up step first."""
     device = engine.resolve_device(device)
     torch.manual_seed(seed)
     model = task.make_model().to(device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=training.lr)
-    rounds = []
-    for users in users_per_round:
-        x = torch.cat([task.users[u].x for u in users]).to(device).contiguous(memory_format=torch.channels_last)
-        y = torch.cat([task.users[u].y for u in users]).to(device)
-        rounds.append((x, y))
     generator = torch.Generator().manual_seed(seed)
-    if rounds and len(rounds[0][1]):  # warm-up step, untimed (kernel selection, allocator)
-        x, y = rounds[0]
-        F.cross_entropy(model(x[: training.batch_size]), y[: training.batch_size]).backward()
+    first = task.users[users_per_round[0][0]] if users_per_round and users_per_round[0] else None
+    if first is not None and len(first):  # warm-up step, untimed (kernel selection, allocator)
+        x = first.x[: training.batch_size].to(device).contiguous(memory_format=torch.channels_last)
+        F.cross_entropy(model(x), first.y[: training.batch_size].to(device)).backward()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
 
     def train() -> None:
-        for x, y in rounds:
+        for users in users_per_round:  # the data preparation is timed, as the engine's is
+            x = torch.cat([task.users[u].x for u in users]).to(device).contiguous(memory_format=torch.channels_last)
+            y = torch.cat([task.users[u].y for u in users]).to(device)
             for _ in range(training.epochs):
                 order = torch.randperm(len(y), generator=generator).to(device)
                 for start in range(0, len(y), training.batch_size):
@@ -260,7 +261,7 @@ def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: fl
 
 
 def bench_w1(spec: W1Spec, runs: int, folder: Path, *, flower: bool, timeout: float, smoke: bool = False,
-             log=print) -> dict[str, Any]:
+             settle: float = 3.0, log=print) -> dict[str, Any]:
     """Every W1 system ``runs`` times (interleaved, so slow phases of a shared machine hit all of them)."""
     task = w1_task(users=spec.users, examples=spec.examples)
     privacy, training = spec.privacy(), spec.training()
@@ -283,6 +284,8 @@ def bench_w1(spec: W1Spec, runs: int, folder: Path, *, flower: bool, timeout: fl
     for run in range(runs):
         for name, system in systems.items():
             result = system()
+            if name in SUBPROCESS_SYSTEMS:
+                time.sleep(settle)  # let Ray's and flwr's processes finish exiting before the next system
             results.setdefault(name, []).append(result)
             log(f"  run {run + 1}/{runs} {name:>18}: {result['seconds']:7.2f} s  ({result['users']} users)")
     summary = {name: {**summarize([r["seconds"] for r in rs]), "users": rs[-1]["users"],
@@ -525,7 +528,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         log("measuring W1 ...")
         with tempfile.TemporaryDirectory(prefix="fed-dp-bench-") as folder:
             results["w1"] = bench_w1(spec, runs, Path(folder), flower=not args.no_flower, timeout=args.timeout,
-                                     smoke=args.smoke, log=log)
+                                     smoke=args.smoke, settle=0.0 if args.smoke else 3.0, log=log)
         section("W1", format_w1(results["w1"]))
     if "scaling" in sections:
         log("measuring cohort scaling ...")

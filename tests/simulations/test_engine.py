@@ -121,3 +121,16 @@ def test_vectorized_engine_run_matches_the_sequential_one():
     assert {r["vectorized"] for r in records_s} == {0.0} and {r["vectorized"] for r in records_v} == {1.0}
     torch.testing.assert_close(vectorized.params, sequential.params, rtol=1e-4, atol=1e-5)
     assert [r["epsilon"] for r in records_v] == [r["epsilon"] for r in records_s]
+
+
+def test_device_is_resolved_with_clear_errors():
+    from simulations.engine import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="'auto', 'cpu' or 'cuda"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda:0")
