@@ -16,7 +16,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.training import LocalTraining
+from clients.training import LocalTraining, resolve_device
 from clients.vectorized import contribution as node_contribution
 from fed_dp.flat import ParamLayout
 from server.config import DEFAULTS, task_params
@@ -62,10 +62,8 @@ def _task(context: Context):
 
 
 def _device(context: Context) -> torch.device:
-    wanted = str({**DEFAULTS, **context.run_config}["client.device"])
-    if wanted == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(wanted)
+    """``client.device`` resolved like the engine's ``device`` (clear errors for a CUDA device this node lacks)."""
+    return resolve_device(str({**DEFAULTS, **context.run_config}["client.device"]))
 
 
 @app.query()

@@ -52,6 +52,25 @@ class LocalTraining:
             raise ValueError(f"local lr must be a finite number > 0, got {self.lr!r}")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → ``cuda`` when available, else ``cpu``; anything else as ``torch.device``, with a clear
+    error for a CUDA device this machine does not have."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA device; use 'cpu' or 'auto'")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s), numbered from 0")
+    return resolved
+
+
 def input_memory_format(model: nn.Module, x: torch.Tensor) -> torch.memory_format:
     """``torch.channels_last`` when ``x`` is a batch of images (4-D) and ``model`` has a ``Conv2d``, else
     ``torch.contiguous_format``.
@@ -107,7 +126,7 @@ def local_delta(
     losses = []
     n = len(data)
     for _ in range(training.epochs):
-        order = torch.randperm(n, generator=generator).to(data.x.device)
+        order = torch.randperm(n, generator=generator, device="cpu").to(data.x.device)
         for start in range(0, n, training.batch_size):
             batch = order[start : start + training.batch_size]
             model.zero_grad(set_to_none=True)

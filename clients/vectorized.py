@@ -77,6 +77,15 @@ DEFAULT_CHUNK_SIZE = 256
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
+def chunk_budget_bytes(device: torch.device) -> int:
+    """The per-user parameter memory a chunk may use: ``DEFAULT_CHUNK_BYTES`` on the CPU; on CUDA a
+    quarter of the device's free memory (at least the CPU budget), leaving room for activations."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(DEFAULT_CHUNK_BYTES, free // 4)
+    return DEFAULT_CHUNK_BYTES
+
+
 def auto_chunk_size(num_params: int, *, max_users: int = DEFAULT_CHUNK_SIZE,
                     budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """min(max_users, max(1, budget / (4 · 4 bytes · d))): 256 users for W1 (d = 25,578), 7 for the
@@ -184,7 +193,7 @@ def users_contribution(
     ‖Δ_i‖₂, or ‖s ⊙ Δ_i‖₂ with ``scale``, before clipping) and ``fraction_clipped`` (share of users with
     that norm > ζ); NaN for an empty cohort. Everything runs on ``params.device`` (users' data is moved
     there chunk by chunk). ``chunk_size`` is the most users trained in one vmapped call; ``None`` picks
-    :func:`auto_chunk_size` of d. The result does not depend on it (up to float32 rounding of Σ).
+    :func:`auto_chunk_size` of d (and, on CUDA, of the free memory). The result does not depend on it (up to float32 rounding of Σ).
 
     Raises ValueError for a model that :func:`can_vectorize` rejects (BatchNorm, ...), and, like the
     sequential path, for a non-finite update or an invalid ζ or scale.
@@ -193,7 +202,7 @@ def users_contribution(
     if not ok:
         raise ValueError(f"cannot vectorize local training over users: {reason}")
     if chunk_size is None:
-        chunk_size = auto_chunk_size(layout.size)
+        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(params.device))
     if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     _check_layout(model, layout)
@@ -231,7 +240,8 @@ def users_contribution(
             orders = []
             for user_id, _ in chunk:
                 generator = user_generator(seed, round_index, user_id)
-                orders.append(torch.stack([torch.randperm(n, generator=generator) for _ in range(training.epochs)]))
+                orders.append(torch.stack([torch.randperm(n, generator=generator, device="cpu")
+                                           for _ in range(training.epochs)]))
             order = torch.stack(orders).to(device)  # (C, E, n)
             x = torch.stack([data.x for _, data in chunk]).to(device)  # (C, n, ...)
             y = torch.stack([data.y for _, data in chunk]).to(device)  # (C, n)
@@ -301,6 +311,8 @@ def contribution(
     metrics can record ``float(path == "vectorized")``.
     """
     path, _ = select_path(model, vectorized, params.device)
+    if scale is not None:
+        scale = scale.to(params.device)  # s_t arrives from the server; it must sit with θ
     kwargs = {
         "params": params, "round_index": round_index, "clip_norm": clip_norm, "scale": scale,
         "send_squares": send_squares, "model": model, "layout": layout, "training": training, "seed": seed,

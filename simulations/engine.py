@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from clients.training import LocalTraining, to_device, use_fast_format
+from clients.training import LocalTraining, resolve_device, to_device, use_fast_format
 from clients.vectorized import contribution as node_contribution
 from clients.vectorized import select_path
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
@@ -42,22 +42,6 @@ from fed_dp.round import Contribution, ServerState, begin_round, finish_round, i
 from simulations.task import Task
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` → ``cuda`` when available, else ``cpu``; anything else as ``torch.device``, with a clear
-    error for a CUDA device this machine does not have."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA device; use 'cpu' or 'auto'")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    return resolved
-
-
 def _on_cpu(contribution: Contribution) -> Contribution:
     squares = contribution.total_squares
     return replace(contribution, total=contribution.total.cpu(), total_squares=None if squares is None else squares.cpu())
@@ -67,8 +51,8 @@ def _on_cpu(contribution: Contribution) -> Contribution:
 def evaluate(model: nn.Module, layout: ParamLayout, params: torch.Tensor, task: Task) -> dict[str, float]:
     """Loss and accuracy on the task's held-out data; per frequency group when the task has groups.
 
-    Runs on the model's device (the held-out inputs go there 4,096 at a time); metrics are computed on
-    the CPU."""
+    Runs on the model's device (the held-out inputs go there 4,096 at a time) in eval mode (restored
+    after); metrics are computed on the CPU."""
     data = task.eval_data
     if len(data) == 0:
         return {}
@@ -76,7 +60,12 @@ def evaluate(model: nn.Module, layout: ParamLayout, params: torch.Tensor, task: 
     for name, value in layout.unflatten(params).items():
         named[name].copy_(value)
     device = params.device if not named else next(iter(named.values())).device
-    logits = torch.cat([model(data.x[i : i + 4096].to(device)).cpu() for i in range(0, len(data), 4096)])
+    was_training = model.training
+    model.eval()
+    try:
+        logits = torch.cat([model(data.x[i : i + 4096].to(device)).cpu() for i in range(0, len(data), 4096)])
+    finally:
+        model.train(was_training)
     correct = (logits.argmax(dim=1) == data.y).double()
     metrics = {"eval_loss": float(F.cross_entropy(logits, data.y)), "eval_accuracy": float(correct.mean())}
     if task.class_groups is not None:

@@ -134,3 +134,19 @@ def test_device_is_resolved_with_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda:0")
+
+
+def test_evaluation_runs_in_eval_mode_and_restores_training_mode():
+    """Dropout is off while evaluating (two evaluations agree exactly) and back on for local training."""
+    from simulations.engine import evaluate
+
+    task = _task()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
+    params = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
+    first, second = evaluate(model, layout, params, task), evaluate(model, layout, params, task)
+    assert first == second and model.training
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(model.eval()(task.eval_data.x), task.eval_data.y)
+    assert first["eval_loss"] == pytest.approx(float(expected))
