@@ -16,11 +16,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.training import LocalTraining, resolve_device
-from clients.vectorized import contribution as node_contribution
+from fed_dp.clients.training import LocalTraining, resolve_device
+from fed_dp.clients.vectorized import contribution as node_contribution
 from fed_dp.flat import ParamLayout
-from server.config import DEFAULTS, task_params
-from simulations.tasks import build_task
+from fed_dp.server.config import DEFAULTS, task_params
+from fed_dp.simulations.tasks import build_task
 
 app = ClientApp()
 _TASKS: dict[str, Any] = {}  # task cache per process (simulation reuses processes; deployment may not)

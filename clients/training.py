@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from fed_dp.clipping import clip_scaled, clip_update
 from fed_dp.flat import ParamLayout
 from fed_dp.round import Contribution
-from simulations.task import UserData
+from fed_dp.simulations.task import UserData
 
 
 @dataclass(frozen=True, kw_only=True)

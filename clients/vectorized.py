@@ -52,12 +52,12 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from clients import training as sequential
-from clients.training import LocalTraining, user_generator
+from fed_dp.clients import training as sequential
+from fed_dp.clients.training import LocalTraining, user_generator
 from fed_dp.clipping import clip_rows
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.round import Contribution
-from simulations.task import UserData
+from fed_dp.simulations.task import UserData
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

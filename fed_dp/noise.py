@@ -26,7 +26,7 @@ import torch
 
 from fed_dp.config import PrivacyConfig
 from fed_dp.sampling import entropy_seed
-from fed_dp.strategy import BandedStrategy, optimize_toeplitz
+from fed_dp.factorization import BandedStrategy, optimize_toeplitz
 
 
 def strategy_fingerprint(strategy: BandedStrategy | None) -> str:

@@ -13,9 +13,9 @@ from flwr.serverapp import Grid, ServerApp
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
 from fed_dp.round import init_server
-from server import strategy
-from server.config import parse_app_config, task_params
-from simulations.tasks import build_task
+from fed_dp.server import strategy
+from fed_dp.server.config import parse_app_config, task_params
+from fed_dp.simulations.tasks import build_task
 
 app = ServerApp()
 log = logging.getLogger("fed_dp.server")
@@ -65,7 +65,7 @@ def main(grid: Grid, context: Context) -> None:
     log.info("%d SuperNode(s) host %d of the %d users", len(nodes), len(owner), experiment.privacy.num_users)
     evaluate = None
     if config.server.evaluate:
-        from simulations.engine import evaluate as evaluate_model
+        from fed_dp.simulations.engine import evaluate as evaluate_model
 
         evaluate = lambda p: evaluate_model(model, layout, p, task)  # noqa: E731
     state, records = strategy.run(grid, state, seed=config.seed, checkpoint_dir=config.server.checkpoint_dir,

@@ -24,8 +24,8 @@ from typing import Any
 
 from flwr.common.config import unflatten_dict
 
-from simulations.runner import Experiment, parse_experiment
-from simulations.tasks import TASKS
+from fed_dp.simulations.runner import Experiment, parse_experiment
+from fed_dp.simulations.tasks import TASKS
 
 #: Defaults for every key, so that an app started without a run config (``run_simulation`` passes an
 #: empty one) still has a complete configuration; pyproject.toml's [tool.flwr.app.config] repeats them.

@@ -61,16 +61,16 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from clients.training import LocalTraining
+from fed_dp.clients.training import LocalTraining
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.noise import Privatizer
 from fed_dp.optimizers import make_optimizer
-from fed_dp.strategy import optimize_toeplitz
-from simulations import engine
-from simulations.flower_baseline import BaselineConfig, W1Workload
-from simulations.tasks import w1_task
+from fed_dp.factorization import optimize_toeplitz
+from fed_dp.simulations import engine
+from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
+from fed_dp.simulations.tasks import w1_task
 
 SECTIONS = ("w1", "scaling", "noise", "accounting", "gpu")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
@@ -231,11 +231,11 @@ def flower_baseline_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: f
     """One run of Flower's own DP simulation of W1 in a fresh Python process."""
     out = folder / f"flower-{client_cpus}cpu-{time.time_ns()}.json"
     config = spec.baseline(out, client_cpus)
-    args = [sys.executable, "-m", "simulations.flower_baseline"]
+    args = [sys.executable, "-m", "fed_dp.simulations.flower_baseline"]
     for key, value in asdict(config).items():
         args += ["--" + key.replace("_", "-"), str(value)]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
     log = folder / (out.stem + ".log")
     with open(log, "wb") as handle:
         done = subprocess.run(args, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout)
@@ -250,7 +250,7 @@ def flower_baseline_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: f
 
 def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: float) -> dict[str, Any]:
     """One run of the project's ServerApp/ClientApp through ``flwr run`` (simulation engine)."""
-    from server import local_simulation
+    from fed_dp.server import local_simulation
 
     stamp = time.time_ns()
     checkpoint = folder / f"fed-dp-flower-{stamp}"

@@ -28,8 +28,8 @@ def _out_dir(args: argparse.Namespace, config_name: str) -> Path:
 
 
 def _run_simulation(args: argparse.Namespace) -> None:
-    from simulations.plots import plot_all
-    from simulations.runner import DEFAULT_CONFIG, apply_overrides, format_table, load_config, read_results, run_experiment
+    from fed_dp.simulations.plots import plot_all
+    from fed_dp.simulations.runner import DEFAULT_CONFIG, apply_overrides, format_table, load_config, read_results, run_experiment
 
     config = apply_overrides(load_config(args.config), args.set or [])
     if getattr(args, "optimizers", None):
@@ -45,8 +45,8 @@ def _run_simulation(args: argparse.Namespace) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> None:
-    from simulations.plots import plot_all
-    from simulations.runner import read_results
+    from fed_dp.simulations.plots import plot_all
+    from fed_dp.simulations.runner import read_results
 
     results = {}
     for folder in args.folders:
@@ -103,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _benchmark_arguments(parser: argparse.ArgumentParser) -> None:
-    from simulations.benchmark import build_parser as benchmark_parser
+    from fed_dp.simulations.benchmark import build_parser as benchmark_parser
 
     benchmark_parser(parser)
 
 
 def _run_benchmark(args: argparse.Namespace) -> None:
-    from simulations.benchmark import run
+    from fed_dp.simulations.benchmark import run
 
     run(args)
 

@@ -30,16 +30,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from clients.training import LocalTraining, resolve_device, to_device, use_fast_format
-from clients.vectorized import contribution as node_contribution
-from clients.vectorized import select_path
+from fed_dp.clients.training import LocalTraining, resolve_device, to_device, use_fast_format
+from fed_dp.clients.vectorized import contribution as node_contribution
+from fed_dp.clients.vectorized import select_path
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer
 from fed_dp.round import Contribution, ServerState, begin_round, finish_round, init_server
-from simulations.task import Task
+from fed_dp.simulations.task import Task
 
 
 def _on_cpu(contribution: Contribution) -> Contribution:

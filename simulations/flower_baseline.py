@@ -11,7 +11,7 @@ CPUs per ClientApp: Flower's default 2 (one worker at a time on a 2-core machine
 Only the data (``simulations.synthetic.w1_user_data``) and the model (``simulations.models.w1_cnn``)
 are shared with the project, so both sides train the same users on the same network.
 
-    python -m simulations.flower_baseline --out result.json [--users 500 --cohort 50 --rounds 10]
+    python -m fed_dp.simulations.flower_baseline --out result.json [--users 500 --cohort 50 --rounds 10]
 
 writes ``{"rounds_seconds": wall time of the rounds (strategy.start), "total_seconds": ..., ...}``.
 ``run_simulation`` gives the apps an empty run config, so the settings reach them (the ServerApp in
@@ -80,8 +80,8 @@ def _apps():
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
     from torch.nn import functional as F
 
-    from simulations.models import w1_cnn
-    from simulations.synthetic import w1_user_data
+    from fed_dp.simulations.models import w1_cnn
+    from fed_dp.simulations.synthetic import w1_user_data
 
     server_app, client_app = ServerApp(), ClientApp()
 
@@ -141,7 +141,7 @@ def run(config: BaselineConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.flower_baseline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fed_dp.simulations.flower_baseline", description=__doc__.split("\n\n")[0])
     defaults = BaselineConfig()
     for field, value in asdict(defaults).items():
         parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)

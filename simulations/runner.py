@@ -35,9 +35,9 @@ from fed_dp.adaptive_clipping import AdaptiveClipConfig, check_compatible
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import OPTIMIZERS, make_optimizer
-from clients.training import LocalTraining
-from simulations.engine import resolve_device, run
-from simulations.tasks import build_task
+from fed_dp.clients.training import LocalTraining
+from fed_dp.simulations.engine import resolve_device, run
+from fed_dp.simulations.tasks import build_task
 
 TABLES = ("task", "privacy", "local", "run", "optimizers", "adaptive")
 DEFAULT_CONFIG = "heavy-tail-quick"
@@ -54,9 +54,9 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
         path = DEFAULT_CONFIG
     path_str = str(path)
     if not path_str.endswith(".toml") and "/" not in path_str:
-        resource = resources.files("simulations") / "configs" / f"{path_str}.toml"
+        resource = resources.files("fed_dp.simulations") / "configs" / f"{path_str}.toml"
         if not resource.is_file():
-            names = sorted(p.name[:-5] for p in (resources.files("simulations") / "configs").iterdir()
+            names = sorted(p.name[:-5] for p in (resources.files("fed_dp.simulations") / "configs").iterdir()
                            if p.name.endswith(".toml"))
             raise ValueError(f"no built-in config {path_str!r}; built-in configs: {', '.join(names)}")
         return tomllib.loads(resource.read_text(encoding="utf-8"))

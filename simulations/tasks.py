@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from simulations import datasets, models, synthetic
-from simulations.partitioning import partition
-from simulations.task import Task, UserData
+from fed_dp.simulations import datasets, models, synthetic
+from fed_dp.simulations.partitioning import partition
+from fed_dp.simulations.task import Task, UserData
 
 
 def _split_users(x: torch.Tensor, y: torch.Tensor, users: int, scheme: str, seed: int, **kw: Any) -> list[UserData]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.cli import main
+from fed_dp.simulations.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

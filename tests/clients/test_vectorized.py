@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from clients import training as seq
-from clients import vectorized as vec
-from clients.training import LocalTraining
+from fed_dp.clients import training as seq
+from fed_dp.clients import vectorized as vec
+from fed_dp.clients.training import LocalTraining
 from fed_dp.flat import ParamLayout
-from simulations.models import linear_softmax, w1_cnn
-from simulations.synthetic import heavy_tail_data
-from simulations.task import UserData
+from fed_dp.simulations.models import linear_softmax, w1_cnn
+from fed_dp.simulations.synthetic import heavy_tail_data
+from fed_dp.simulations.task import UserData
 
 RTOL = 1e-4
 ATOL = 1e-5

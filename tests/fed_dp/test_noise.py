@@ -16,7 +16,7 @@ from scipy import stats
 from fed_dp.aggregation import private_average, unscale
 from fed_dp.config import PrivacyConfig
 from fed_dp.noise import Privatizer, make_privatizer
-from fed_dp.strategy import banded_from_dense, toeplitz_strategy
+from fed_dp.factorization import banded_from_dense, toeplitz_strategy
 
 SIGMA, CLIP, COHORT = 1.3, 0.7, 25
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

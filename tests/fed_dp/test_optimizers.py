@@ -25,7 +25,7 @@ from fed_dp.optimizers import (
     SGD,
     make_optimizer,
 )
-from fed_dp.strategy import sqrt_prefix_sum_coefs, toeplitz_strategy
+from fed_dp.factorization import sqrt_prefix_sum_coefs, toeplitz_strategy
 
 F64 = torch.float64
 DIM = 100

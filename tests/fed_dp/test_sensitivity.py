@@ -18,7 +18,7 @@ import pytest
 
 from fed_dp.config import PrivacyConfig
 from fed_dp.sampling import make_sampler
-from fed_dp.strategy import optimize_toeplitz, sqrt_prefix_sum_coefs, toeplitz_strategy
+from fed_dp.factorization import optimize_toeplitz, sqrt_prefix_sum_coefs, toeplitz_strategy
 
 
 def patterns(rounds: int, separation: int, max_size: int):

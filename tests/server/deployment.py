@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.local_simulation import format_run_config, free_port
+from fed_dp.server.local_simulation import format_run_config, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CERTIFICATE_SCRIPT = REPO / "server" / "make_certificates.sh"

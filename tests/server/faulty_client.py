@@ -7,8 +7,8 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.app import query as honest_query
-from clients.app import train as honest_train
+from fed_dp.clients.app import query as honest_query
+from fed_dp.clients.app import train as honest_train
 
 FAULTS = {0: "huge", 1: "nan", 2: "shape"}
 app = ClientApp()

@@ -6,6 +6,6 @@ names the tests import.
 
 from __future__ import annotations
 
-from server.local_simulation import REPO, flwr_env, run, start, stop_local_superlink, wait_for
+from fed_dp.server.local_simulation import REPO, flwr_env, run, start, stop_local_superlink, wait_for
 
 __all__ = ["REPO", "flwr_env", "run", "start", "stop_local_superlink", "wait_for"]

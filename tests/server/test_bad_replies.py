@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from flwr.simulation import run_simulation
 
-import server.config
+from fed_dp.server import config as server_config
 from fed_dp.checkpoint import load_checkpoint
-from server.app import _initial_params, app as server_app
-from server.config import task_params
-from simulations.tasks import build_task
+from fed_dp.server.app import _initial_params, app as server_app
+from fed_dp.server.config import task_params
+from fed_dp.simulations.tasks import build_task
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,7 +25,7 @@ def test_huge_nan_and_misshaped_replies_are_handled(tmp_path, monkeypatch):
         "server.checkpoint-dir": str(tmp_path / "ckpt"), "server.evaluate": False,
     }  # server-side keys only: the clients run in Ray workers with the unpatched DEFAULTS (40 users)
     for key, value in overrides.items():  # run_simulation passes no run config: the ServerApp uses DEFAULTS
-        monkeypatch.setitem(server.config.DEFAULTS, key, value)
+        monkeypatch.setitem(server_config.DEFAULTS, key, value)
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     # Ray's worker processes import the faulty ClientApp from this folder.
@@ -44,7 +44,7 @@ def test_huge_nan_and_misshaped_replies_are_handled(tmp_path, monkeypatch):
     assert "NaN" in dropped and "shape" in dropped, record["dropped"]
     assert record["reclipped_replies"] >= 1
     # Users on partition p are p, p+4, ...; the huge node (partition 0) contributed at most count·ζ.
-    config = {**server.config.DEFAULTS}
+    config = {**server_config.DEFAULTS}
     sampled = torch.arange(40)  # upper bound: every user of partition 0 sampled
     huge_users = int((sampled % 4 == 0).sum())
     honest_users = int((sampled % 4 == 3).sum())

@@ -31,9 +31,9 @@ from fed_dp.checkpoint import load_checkpoint
 from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import make_optimizer
 from fed_dp.round import begin_round, finish_round, init_server
-from server.app import _initial_params
-from server.config import parse_app_config, task_params
-from simulations.tasks import build_task
+from fed_dp.server.app import _initial_params
+from fed_dp.server.config import parse_app_config, task_params
+from fed_dp.simulations.tasks import build_task
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to create the TLS certificates"),

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import flower_run
-from clients.training import LocalTraining
+from fed_dp.clients.training import LocalTraining
 from fed_dp.accounting import epsilon
 from fed_dp.checkpoint import load_checkpoint
 from fed_dp.optimizers import make_optimizer
-from server.config import parse_app_config, task_params
-from simulations.engine import run as run_in_process
-from simulations.tasks import build_task
+from fed_dp.server.config import parse_app_config, task_params
+from fed_dp.simulations.engine import run as run_in_process
+from fed_dp.simulations.tasks import build_task
 
 RUN = {"run.seed": 7, "privacy.rounds": 3, "task.users": 40}
 

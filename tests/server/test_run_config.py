@@ -8,7 +8,7 @@ import pytest
 from flwr.common.config import flatten_dict
 
 from fed_dp.accounting import epsilon
-from server.config import DEFAULTS, parse_app_config, task_params
+from fed_dp.server.config import DEFAULTS, parse_app_config, task_params
 from flower_run import REPO
 
 

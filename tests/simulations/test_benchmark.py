@@ -12,10 +12,10 @@ import json
 import pytest
 
 from fed_dp.accounting import epsilon
-from server.config import DEFAULTS, parse_app_config
-from simulations import benchmark
-from simulations.cli import main as cli_main
-from simulations.flower_baseline import BaselineConfig
+from fed_dp.server.config import DEFAULTS, parse_app_config
+from fed_dp.simulations import benchmark
+from fed_dp.simulations.cli import main as cli_main
+from fed_dp.simulations.flower_baseline import BaselineConfig
 
 
 def test_summarize_is_median_min_max():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from simulations.datasets import (
+from fed_dp.simulations.datasets import (
     BARCODE_MNIST_GROUPS,
     barcode_mnist_class_sizes,
     load_cifar10,

@@ -13,9 +13,9 @@ from fed_dp.clipping import clip_update
 from fed_dp.config import PrivacyConfig
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
-from clients.training import LocalTraining, local_delta, user_generator
-from simulations.engine import run
-from simulations.task import Task, UserData
+from fed_dp.clients.training import LocalTraining, local_delta, user_generator
+from fed_dp.simulations.engine import run
+from fed_dp.simulations.task import Task, UserData
 
 
 def _task(num_users: int = 40, dim: int = 6, seed: int = 0) -> Task:
@@ -124,7 +124,7 @@ def test_vectorized_engine_run_matches_the_sequential_one():
 
 
 def test_device_is_resolved_with_clear_errors():
-    from simulations.engine import resolve_device
+    from fed_dp.simulations.engine import resolve_device
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
@@ -138,7 +138,7 @@ def test_device_is_resolved_with_clear_errors():
 
 def test_evaluation_runs_in_eval_mode_and_restores_training_mode():
     """Dropout is off while evaluating (two evaluations agree exactly) and back on for local training."""
-    from simulations.engine import evaluate
+    from fed_dp.simulations.engine import evaluate
 
     task = _task()
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from simulations.models import MODELS, barcode_cnn, cifar_cnn, linear_softmax, logistic_1d, w1_cnn
+from fed_dp.simulations.models import MODELS, barcode_cnn, cifar_cnn, linear_softmax, logistic_1d, w1_cnn
 
 
 def _conv(cin: int, cout: int, k: int) -> int:

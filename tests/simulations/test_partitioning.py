@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from simulations.partitioning import SCHEMES, partition, partition_sizes, power_law_sizes
+from fed_dp.simulations.partitioning import SCHEMES, partition, partition_sizes, power_law_sizes
 
 N_EXAMPLES = 2000
 N_CLASSES = 10

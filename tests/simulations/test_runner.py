@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fed_dp.accounting import epsilon
-from simulations.cli import main
-from simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
+from fed_dp.simulations.cli import main
+from fed_dp.simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
 
 TINY = [
     "task.groups=2", "task.largest=8", "task.users=16",
@@ -124,7 +124,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 def _builtin_configs() -> list[str]:
     from importlib import resources
 
-    return sorted(p.name[:-5] for p in (resources.files("simulations") / "configs").iterdir() if p.name.endswith(".toml"))
+    return sorted(p.name[:-5] for p in (resources.files("fed_dp.simulations") / "configs").iterdir() if p.name.endswith(".toml"))
 
 
 @pytest.mark.parametrize("name", _builtin_configs())

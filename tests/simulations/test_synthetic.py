@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from simulations.synthetic import (
+from fed_dp.simulations.synthetic import (
     SPARSE_LOGISTIC_TRUE_WEIGHT,
     heavy_tail_class_sizes,
     heavy_tail_data,

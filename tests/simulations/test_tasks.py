@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from simulations.tasks import build_task, label_counts
-from simulations.synthetic import heavy_tail_class_sizes
+from fed_dp.simulations.tasks import build_task, label_counts
+from fed_dp.simulations.synthetic import heavy_tail_class_sizes
 
 
 def _write_cifar(root, rows_per_batch: int = 20, seed: int = 0) -> None:
@@ -81,7 +81,7 @@ def test_unknown_task_or_parameter_is_a_clear_error():
 def test_sparse_task_has_held_out_data_of_the_same_law():
     task = build_task("sparse-logreg-1d", num_examples=200, users=50, seed=3)
     _assert_users_partition(task, 200)
-    from simulations.synthetic import sparse_logistic_1d
+    from fed_dp.simulations.synthetic import sparse_logistic_1d
 
     x_eval, y_eval = sparse_logistic_1d(num_examples=200, seed=4)  # held out: the next seed, same law
     assert torch.equal(task.eval_data.x, x_eval) and torch.equal(task.eval_data.y, y_eval)

@@ -1,4 +1,4 @@
-"""Tests of fed_dp.strategy: banded (Toeplitz) matrix-factorization strategies.
+"""Tests of fed_dp.factorization: banded (Toeplitz) matrix-factorization strategies.
 
 Expectations are computed independently in numpy (explicit loops and dense inverses), never with the
 functions under test.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fed_dp import strategy as strategy_module
-from fed_dp.strategy import (
+from fed_dp import factorization as strategy_module
+from fed_dp.factorization import (
     BandedStrategy,
     banded_from_dense,
     identity_strategy,
