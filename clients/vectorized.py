@@ -3,11 +3,11 @@
 Computes exactly what :func:`clients.training.users_contribution` computes, for many users at once.
 For every user i of the cohort, starting from the broadcast θ = θ_{t−1}:
 
-    for epoch e = 1 .. E:
-        π_{i,e} = torch.randperm(n_i, generator=g_i)     g_i = user_generator(seed, t, i), one stream per user
-        for every minibatch b = π_{i,e}[k·B : (k+1)·B]    (the last one may be shorter)
-            ℓ_i  = (1/|b|) Σ_{j∈b} CE(f(θ_i; x_ij), y_ij)
-            θ_i ← θ_i − η ∇_θ ℓ_i                         (plain SGD, p −= lr·grad)
+    π_{i,e} = torch.randperm(m_i, generator=g_i) for every epoch e the schedule touches
+                                                      (g_i = user_generator(seed, t, i); m_i = min(n_i, cap))
+    for every minibatch (e, k) of LocalTraining.schedule(n_i):   b = π_{i,e}[k·B : (k+1)·B]
+        ℓ_i = loss(f(θ_i; ·), batch b of user i)          (the task's loss, e.g. mean cross-entropy)
+        g = ∇ℓ_i + λ·θ_i ;  m_i = g, then μ·m_i + g ;  θ_i ← θ_i − η·m_i      (LocalTraining's SGD)
     Δ_i = θ_i − θ
     u_i = Δ_i · min(1, ζ/‖Δ_i‖₂)                      or, with the broadcast scale s (scale-then-privatize),
     u_i = (s ⊙ Δ_i) · min(1, ζ/‖s ⊙ Δ_i‖₂)
@@ -16,9 +16,10 @@ and the node replies with Σ_i u_i, the count, and Σ_i u_i ⊙ u_i when ``send_
 
 How it is vectorized:
 
-- Users are grouped by their number of examples n: inside a group every user has the same minibatch
-  structure (⌈n/B⌉ steps per epoch, the same sizes, the last one possibly partial), so one step of every
-  user of the group is one call of ``vmap(grad_and_value(loss))`` over a stacked parameter matrix.
+- Users are grouped by the number m of examples they train on: inside a group every user has the same
+  minibatch schedule, so one step of every user of the group is one call of
+  ``vmap(grad_and_value(loss))`` over a stacked parameter matrix. The task's loss receives a functional
+  view of the model (calling it runs ``torch.func.functional_call`` with that user's parameters).
 - A group is processed in chunks of at most ``chunk_size`` users, which bounds memory (the chunk's data,
   its (C, d) parameter matrix and the per-user activations of one minibatch).
 - The parameters of a chunk live in one flat (C, d) float32 matrix; the model sees them as per-tensor
@@ -36,28 +37,34 @@ sequential path leaves the last user's trained weights in it; nothing relies on 
 
 Not every model can be vmapped this way; :func:`can_vectorize` tells which (BatchNorm, active dropout and
 non-float32 parameters cannot), and :func:`contribution` runs the vectorized path when it can and the
-sequential one otherwise, and says which ran.
+sequential one otherwise, and says which ran. A model or loss whose Python control flow depends on the data
+cannot be traced by vmap either; :func:`contribution` then logs the reason once and trains that node's
+users sequentially (the same arithmetic, so nothing about the result changes but the time).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
-from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from fed_dp.clients import training as sequential
-from fed_dp.clients.training import LocalTraining, user_generator
+from fed_dp.clients.task import Examples, Loss
+from fed_dp.clients.training import (UserExamples, check_finite_loss, minibatch_orders, require_examples, scalar_loss,
+                                     user_generator)
 from fed_dp.clipping import clip_rows
+from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.round import Contribution
-from fed_dp.simulations.task import UserData
+
+log = logging.getLogger("fed_dp.clients")
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -171,8 +178,37 @@ def _check_layout(model: nn.Module, layout: ParamLayout) -> None:
         raise ValueError(f"layout tensors {missing} are not parameters of the model")
 
 
+class FunctionalModel:
+    """The model as the loss sees it on the vectorized path: calling it runs ``functional_call`` with one
+    user's parameters (inside vmap: every user's); other attributes are the module's."""
+
+    def __init__(self, module: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        self._module, self._params = module, params
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self._module, self._params, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _stack(chunk: Sequence[UserExamples], m: int, device: torch.device) -> tuple[list[torch.Tensor], Examples]:
+    """The chunk's examples as one (C, m, ...) tensor per field, on ``device``; the first user's Examples
+    gives the batch structure. Users whose examples differ in structure are an error naming them."""
+    first = chunk[0][1]
+    for index, examples in chunk[1:]:
+        same = (examples.keys == first.keys and len(examples.fields) == len(first.fields)
+                and all(a.shape[1:] == b.shape[1:] and a.dtype == b.dtype for a, b in zip(examples.fields, first.fields)))
+        if not same:
+            raise ValueError(f"users {chunk[0][0]} and {index} hold examples of different structure (tensors, shapes "
+                             "after the first dimension or dtypes); every user of a task needs the same")
+    stacked = [torch.stack([examples.fields[f][:m] for _, examples in chunk]).to(device)
+               for f in range(len(first.fields))]
+    return stacked, first
+
+
 def users_contribution(
-    users: Sequence[tuple[int, UserData]],
+    users: Sequence[UserExamples],
     *,
     params: torch.Tensor,
     round_index: int,
@@ -182,25 +218,29 @@ def users_contribution(
     model: nn.Module,
     layout: ParamLayout,
     training: LocalTraining,
+    loss: Loss,
     seed: int,
     source: str = "",
     chunk_size: int | None = None,
 ) -> tuple[Contribution, dict[str, float]]:
-    """Vectorized :func:`clients.training.users_contribution`: same arguments, same return value.
+    """Vectorized :func:`fed_dp.clients.training.users_contribution`: same arguments, same return value.
 
     Returns ``Contribution(Σ_i u_i, count, Σ_i u_i ⊙ u_i or None, source)`` and the metrics
     ``train_loss`` (mean over users of each user's mean minibatch loss), ``mean_update_norm`` (mean of
     ‖Δ_i‖₂, or ‖s ⊙ Δ_i‖₂ with ``scale``, before clipping) and ``fraction_clipped`` (share of users with
-    that norm > ζ); NaN for an empty cohort. Everything runs on ``params.device`` (users' data is moved
+    that norm > ζ); NaN for an empty cohort. Everything runs on ``params.device`` (users' examples are moved
     there chunk by chunk). ``chunk_size`` is the most users trained in one vmapped call; ``None`` picks
-    :func:`auto_chunk_size` of d (and, on CUDA, of the free memory). The result does not depend on it (up to float32 rounding of Σ).
+    :func:`auto_chunk_size` of d (and, on CUDA, of the free memory). The result does not depend on it (up to
+    float32 rounding of Σ).
 
     Raises ValueError for a model that :func:`can_vectorize` rejects (BatchNorm, ...), and, like the
-    sequential path, for a non-finite update or an invalid ζ or scale.
+    sequential path, for a loss that is not a scalar or becomes NaN/Inf (naming the user), a non-finite
+    update, or an invalid ζ or scale.
     """
     ok, reason = can_vectorize(model)
     if not ok:
         raise ValueError(f"cannot vectorize local training over users: {reason}")
+    require_examples(users)
     if chunk_size is None:
         chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(params.device))
     if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
@@ -218,50 +258,55 @@ def users_contribution(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float64, device=device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
-
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(functional_call(model, p, (x,)), y)
-
-    step = vmap(grad_and_value(loss_fn))
     offsets = [0]
     for spec in layout.specs:
         offsets.append(offsets[-1] + spec.numel)
 
-    groups: dict[int, list[tuple[int, UserData]]] = {}
-    for user_id, data in users:
-        groups.setdefault(len(data), []).append((user_id, data))
+    groups: dict[int, list[UserExamples]] = {}
+    for index, examples in users:
+        groups.setdefault(training.examples_used(len(examples)), []).append((index, examples))
 
-    batch_size, lr = training.batch_size, training.lr
-    for n, group in sorted(groups.items()):
+    lr, momentum, weight_decay = training.lr, training.momentum, training.weight_decay
+    for m, group in sorted(groups.items()):
+        schedule = training.schedule(m)
         for c0 in range(0, len(group), chunk_size):
             chunk = group[c0 : c0 + chunk_size]
             size = len(chunk)
             # Minibatch order of every user: its own generator, one randperm per epoch (as sequentially).
-            orders = []
-            for user_id, _ in chunk:
-                generator = user_generator(seed, round_index, user_id)
-                orders.append(torch.stack([torch.randperm(n, generator=generator, device="cpu")
-                                           for _ in range(training.epochs)]))
-            order = torch.stack(orders).to(device)  # (C, E, n)
-            x = torch.stack([data.x for _, data in chunk]).to(device)  # (C, n, ...)
-            y = torch.stack([data.y for _, data in chunk]).to(device)  # (C, n)
+            orders = [torch.stack(minibatch_orders(len(examples), training, user_generator(seed, round_index, index)))
+                      for index, examples in chunk]
+            order = torch.stack(orders).to(device)  # (C, E, m)
+            fields, structure = _stack(chunk, m, device)  # (C, m, ...) per field
             rows = torch.arange(size, device=device).unsqueeze(1)
 
+            def loss_fn(p: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
+                return scalar_loss(loss(FunctionalModel(model, p), structure.structure(batch)), chunk[0][0])
+
+            step = vmap(grad_and_value(loss_fn))
             # θ_i for every user of the chunk: one (C, d) matrix, the model's tensors are views of it.
             flat = params.unsqueeze(0).repeat(size, 1)
             views = {
                 spec.name: flat[:, start:stop].view(size, *spec.shape)
                 for spec, start, stop in zip(layout.specs, offsets[:-1], offsets[1:])
             }
+            buffers: dict[str, torch.Tensor] = {}
             step_losses = []
-            for epoch in range(training.epochs):
-                for start in range(0, n, batch_size):
-                    batch = order[:, epoch, start : start + batch_size]  # (C, b)
-                    grads, loss = step(views, x[rows, batch], y[rows, batch])
-                    with torch.no_grad():
-                        for name, view in views.items():
-                            view -= lr * grads[name]
-                    step_losses.append(loss.detach())
+            for epoch, start, stop in schedule:
+                batch = order[:, epoch, start:stop]  # (C, b)
+                grads, value = step(views, *[field[rows, batch] for field in fields])
+                with torch.no_grad():
+                    for name, view in views.items():
+                        g = grads[name] + weight_decay * view if weight_decay else grads[name]
+                        if momentum:
+                            buffer = buffers.get(name)
+                            g = buffers[name] = g.clone() if buffer is None else buffer.mul_(momentum).add_(g)
+                        view -= lr * g
+                step_losses.append(value.detach())
+            user_losses = torch.stack(step_losses, dim=1).double().mean(dim=1)  # (C,)
+            bad = ~torch.isfinite(user_losses)
+            if bool(bad.any()):
+                check_finite_loss(float(user_losses[bad][0]), chunk[int(bad.nonzero()[0])][0], round_index)
+            loss_sum += user_losses.sum()
             deltas = flat.sub_(params)  # Δ_i = θ_i − θ, row-wise, in place
             if scale is not None:
                 deltas.mul_(scale)  # s ⊙ Δ_i
@@ -269,10 +314,6 @@ def users_contribution(
             total += updates.sum(dim=0)
             if squares is not None:
                 squares += updates.square().sum(dim=0)
-            if step_losses:
-                loss_sum += torch.stack(step_losses, dim=1).double().mean(dim=1).sum()
-            else:  # n = 0: no minibatch, the sequential path reports a NaN loss for this user
-                loss_sum += math.nan
             norm_sum += norms.double().sum()
             clipped += (norms > clip_norm).sum()
 
@@ -282,11 +323,22 @@ def users_contribution(
         "mean_update_norm": float(norm_sum) / count if count else math.nan,
         "fraction_clipped": int(clipped) / count if count else math.nan,
     }
-    return Contribution(total, count, squares, source=source, unclipped=count - int(clipped)), metrics
+    return Contribution(total, count, squares, source=source, unclipped=count - int(clipped),
+                        scaled=scale is not None), metrics
+
+
+#: Errors of torch.func that mean "this model or loss cannot be traced by vmap" (data-dependent control flow,
+#: ``.item()``, in-place ops on captured tensors, ...), as opposed to errors of the user's code.
+_VMAP_MARKERS = ("vmap", "functorch", "batched tensor", "data-dependent", "item()", "BatchedTensor")
+_reported_fallbacks: set[str] = set()
+
+
+def _untraceable(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(marker.lower() in str(error).lower() for marker in _VMAP_MARKERS)
 
 
 def contribution(
-    users: Sequence[tuple[int, UserData]],
+    users: Sequence[UserExamples],
     *,
     params: torch.Tensor,
     round_index: int,
@@ -296,6 +348,7 @@ def contribution(
     model: nn.Module,
     layout: ParamLayout,
     training: LocalTraining,
+    loss: Loss,
     seed: int,
     source: str = "",
     vectorized: bool | None = None,
@@ -307,19 +360,31 @@ def contribution(
     :func:`select_path`; ``True``: vectorized or ValueError; ``False``: sequential) and ``chunk_size``
     (vectorized path only). Returns ``(Contribution, metrics, path)``: the first two exactly as
     ``users_contribution`` returns them (metrics stay floats, ready for a Flower MetricRecord) and
-    ``path``, ``"vectorized"`` or ``"sequential"``, the path that ran. A caller that wants it among float
-    metrics can record ``float(path == "vectorized")``.
+    ``path``, ``"vectorized"`` or ``"sequential"``, the path that ran.
+
+    When vmap cannot trace the model or the loss (data-dependent control flow and the like), the auto path
+    logs the reason once per model class and trains these users sequentially; with ``vectorized=True`` the
+    error is raised.
     """
     path, _ = select_path(model, vectorized, params.device)
     if scale is not None:
         scale = scale.to(params.device)  # s_t arrives from the server; it must sit with θ
     kwargs = {
         "params": params, "round_index": round_index, "clip_norm": clip_norm, "scale": scale,
-        "send_squares": send_squares, "model": model, "layout": layout, "training": training, "seed": seed,
-        "source": source,
+        "send_squares": send_squares, "model": model, "layout": layout, "training": training, "loss": loss,
+        "seed": seed, "source": source,
     }
     if path == "vectorized":
-        result, metrics = users_contribution(users, chunk_size=chunk_size, **kwargs)
-    else:
-        result, metrics = sequential.users_contribution(users, **kwargs)
-    return result, metrics, path
+        try:
+            result, metrics = users_contribution(users, chunk_size=chunk_size, **kwargs)
+            return result, metrics, path
+        except RuntimeError as error:
+            if vectorized or not _untraceable(error):
+                raise
+            name = type(model).__name__
+            if name not in _reported_fallbacks:
+                _reported_fallbacks.add(name)
+                log.warning("training users one at a time: %s cannot be vectorized over users with torch.func "
+                            "(%s: %s)", name, type(error).__name__, str(error).splitlines()[0])
+    result, metrics = sequential.users_contribution(users, **kwargs)
+    return result, metrics, "sequential"

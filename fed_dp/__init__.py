@@ -1,10 +1,27 @@
-"""fed_dp: the framework-agnostic core of user-level DP federated training (no Flower imports).
+"""fed-dp: user-level differentially private federated training on Flower and PyTorch.
 
-Modules follow ALGORITHMS.md:
-    config             PrivacyConfig — one frozen object for sampler, noise and accounting
+The public API, importable from here (loaded on first use, so ``import fed_dp`` stays light):
+
+    Bring your task                Task, Users, Examples, losses, evaluation, load_task
+    Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer
+    Simulate in this process       train -> TrainResult
+    Run on Flower (server side)    UserLevelDP (a flwr Strategy), model_arrays, centralized_evaluation
+    Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users
+    Account                        epsilon, calibrate_noise_multiplier, resolve_privacy
+
+The package is layered; imports point down only (tests/test_architecture.py checks it):
+
+    fed_dp.simulations   built-in tasks and datasets, the in-process engine, runner, CLI, plots, benchmark
+    fed_dp.server        the Flower Strategy, the one round loop, membership, the ServerApp
+    fed_dp.clients       the task interface, losses, local training, the message protocol, the ClientApp
+    fed_dp (core)        DP math on flat tensors, no torch.nn and no Flower (the modules below)
+
+Core modules (ALGORITHMS.md):
+    config             PrivacyConfig (sampler, noise and accounting from one object), LocalTraining
+    run_config         the one run-configuration schema: every key, its type, default and meaning
     flat               ParamLayout — a model update as one float32 vector and back
     clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
-    strategy           BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
+    factorization      BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
     noise              privatizers: streaming independent / BandMF Gaussian noise
     aggregation        the DP query: noisy sum over the fixed denominator B
     sampling           user samplers, each with its dp_accounting event
@@ -15,7 +32,58 @@ Modules follow ALGORITHMS.md:
     diagnostics        ν̂ / ν̂ − Φ̂ summaries and update alignment (the seeds' figures)
     context            simulation vs deployment; non-private baselines only in simulations
     round              the one private round: init_server, begin_round, finish_round (every engine)
-    validation         shared argument checks
+    checkpoint         atomic checkpoints of the server state and resuming from them
+    validation, atomic shared argument checks, atomic file writes
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: public name → (module, attribute); attribute None: the module itself.
+_PUBLIC: dict[str, tuple[str, str | None]] = {
+    "Task": ("fed_dp.clients.task", "Task"),
+    "Users": ("fed_dp.clients.task", "Users"),
+    "Examples": ("fed_dp.clients.task", "Examples"),
+    "load_task": ("fed_dp.clients.task", "load_task"),
+    "losses": ("fed_dp.clients.losses", None),
+    "evaluation": ("fed_dp.clients.evaluation", None),
+    "PrivacyConfig": ("fed_dp.config", "PrivacyConfig"),
+    "LocalTraining": ("fed_dp.config", "LocalTraining"),
+    "AdaptiveClipConfig": ("fed_dp.adaptive_clipping", "AdaptiveClipConfig"),
+    "RunConfig": ("fed_dp.run_config", "RunConfig"),
+    "make_optimizer": ("fed_dp.optimizers", "make_optimizer"),
+    "OPTIMIZERS": ("fed_dp.optimizers", "OPTIMIZERS"),
+    "epsilon": ("fed_dp.accounting", "epsilon"),
+    "calibrate_noise_multiplier": ("fed_dp.accounting", "calibrate_noise_multiplier"),
+    "resolve_privacy": ("fed_dp.accounting", "resolve_privacy"),
+    "train": ("fed_dp.simulations.engine", "train"),
+    "TrainResult": ("fed_dp.simulations.engine", "TrainResult"),
+    "UserLevelDP": ("fed_dp.server.flower_strategy", "UserLevelDP"),
+    "DPResult": ("fed_dp.server.flower_strategy", "DPResult"),
+    "model_arrays": ("fed_dp.server.flower_strategy", "model_arrays"),
+    "centralized_evaluation": ("fed_dp.server.flower_strategy", "centralized_evaluation"),
+    "LocalTrainer": ("fed_dp.clients.node", "LocalTrainer"),
+    "train_reply": ("fed_dp.clients.node", "train_reply"),
+    "query_reply": ("fed_dp.clients.node", "query_reply"),
+    "hosted_users": ("fed_dp.clients.node", "hosted_users"),
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'fed_dp' has no attribute {name!r}")
+    module_name, attribute = _PUBLIC[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_PUBLIC))

@@ -103,6 +103,9 @@ def calibrate_noise_multiplier(config: PrivacyConfig, target_epsilon: float) -> 
     """
     if not (isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
+    if config.noise_multiplier is None:  # a config that asks for calibration: search from a placeholder σ
+        config = config.replace(target_epsilon=None, noise_multiplier=1.0)
+    config.require_resolved("calibration")
     rdp_config = config.replace(accountant="rdp")
     if epsilon(rdp_config.replace(noise_multiplier=MIN_CALIBRATED_NOISE)) <= target_epsilon:
         raise ValueError(
@@ -115,6 +118,30 @@ def calibrate_noise_multiplier(config: PrivacyConfig, target_epsilon: float) -> 
     if config.accountant == "rdp":
         return rdp_sigma
     return _calibrate(config, target_epsilon, _pld_bracket(config, target_epsilon, rdp_sigma))
+
+
+def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> PrivacyConfig:
+    """The config with its population and σ filled in: what samplers, noise and accounting run on.
+
+    ``num_users`` is the task's population N; it fills ``config.num_users`` when that is None and must
+    equal it otherwise. With ``target_epsilon``, σ is calibrated now (:func:`calibrate_noise_multiplier`:
+    the smallest σ whose T-round ε at δ is at most the target) and the result carries that σ, with
+    ``target_epsilon`` cleared. A config that is already resolved is returned as it is.
+    """
+    if num_users is not None:
+        if config.num_users is not None and config.num_users != num_users:
+            raise ValueError(
+                f"privacy.num_users = {config.num_users} but the task has {num_users} users; the sampler must "
+                "draw from the users that exist (leave num_users unset to take the task's population)"
+            )
+        if config.num_users is None:
+            config = config.replace(num_users=num_users)
+    if config.num_users is None:
+        raise ValueError("the population size is unknown: give num_users (the number of users of the task)")
+    if config.target_epsilon is not None:
+        sigma = calibrate_noise_multiplier(config, config.target_epsilon)
+        config = config.replace(target_epsilon=None, noise_multiplier=sigma)
+    return config
 
 
 @dataclass(frozen=True)
@@ -136,7 +163,7 @@ class PrivacyLedger:
     """
 
     def __init__(self, config: PrivacyConfig, records: tuple[RoundRecord, ...] = ()) -> None:
-        self.config = config
+        self.config = config.require_resolved("the privacy ledger")
         self._records: list[RoundRecord] = list(records)
         self._next_epsilon: tuple[int, float] | None = None  # (rounds, ε after rounds + 1), a memo
 

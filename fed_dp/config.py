@@ -15,6 +15,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fed_dp.validation import is_int as _is_int
+from fed_dp.validation import is_real as _is_real
+from fed_dp.validation import require as _require
+
 SAMPLERS = ("poisson", "without-replacement", "all", "cyclic-poisson", "min-sep")
 NOISES = ("independent", "bandmf")
 ACCOUNTANTS = ("pld", "rdp")
@@ -24,29 +28,19 @@ WORKLOADS = ("prefix-sum", "momentum")
 SEPARATED_SAMPLERS = ("cyclic-poisson", "min-sep")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
     """The user-level DP mechanism of one training run (ALGORITHMS.md §1, §2, §4).
 
     Fields:
-        num_users: N, users in the population (user ids are ``0 .. N-1``).
+        num_users: N, users in the population (user ids are ``0 .. N-1``). ``None``: the task's population,
+            filled in by :func:`fed_dp.accounting.resolve_privacy` (``fed_dp.train`` and the Strategy do it).
         expected_cohort: B, expected users per round; the fixed denominator of the average.
         rounds: T, server rounds.
         noise_multiplier: σ; the noise std on the sum of clipped updates is σ·ζ (times the row norm of
             C⁻¹ for BandMF). Must be > 0: a run without noise is not private.
+        target_epsilon: instead of σ, the user-level ε the whole run should have at ``delta``; σ is then
+            calibrated with dp_accounting when the config is resolved (give one of the two).
         clip_norm: ζ, L2 bound on one user's whole contribution.
         delta: δ of the reported (ε, δ); conventionally below 1/N.
         sampler: ``poisson`` (rate q = B/N), ``without-replacement`` (exactly B of N), ``all``
@@ -64,11 +58,12 @@ class PrivacyConfig:
         momentum: μ of the momentum workload, in [0, 1).
     """
 
-    num_users: int
     expected_cohort: int
     rounds: int
-    noise_multiplier: float
     delta: float
+    num_users: int | None = None
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
     clip_norm: float = 1.0
     sampler: str = "poisson"
     noise: str = "independent"
@@ -87,20 +82,32 @@ class PrivacyConfig:
 
     # --- validation, one concern per method -------------------------------------------------------
     def _validate_sizes(self) -> None:
-        for name in ("num_users", "expected_cohort", "rounds", "bands"):
+        for name in ("expected_cohort", "rounds", "bands") + (("num_users",) if self.num_users is not None else ()):
             value = getattr(self, name)
             _require(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-        _require(
-            self.expected_cohort <= self.num_users,
-            f"expected_cohort (B = {self.expected_cohort}) must be <= num_users (N = {self.num_users})",
-        )
+        if self.num_users is not None:
+            _require(
+                self.expected_cohort <= self.num_users,
+                f"expected_cohort (B = {self.expected_cohort}) must be <= num_users (N = {self.num_users})",
+            )
 
     def _validate_privacy_parameters(self) -> None:
         _require(
-            _is_real(self.noise_multiplier) and self.noise_multiplier > 0,
-            f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier!r} "
-            "(a run without noise is not private; use calibrate to find σ for a target ε)",
+            (self.noise_multiplier is None) != (self.target_epsilon is None),
+            "give exactly one of noise_multiplier (σ) and target_epsilon (σ is then calibrated for it); got "
+            f"noise_multiplier = {self.noise_multiplier!r}, target_epsilon = {self.target_epsilon!r}",
         )
+        if self.noise_multiplier is not None:
+            _require(
+                _is_real(self.noise_multiplier) and self.noise_multiplier > 0,
+                f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier!r} "
+                "(a run without noise is not private; give target_epsilon to have σ calibrated)",
+            )
+        else:
+            _require(
+                _is_real(self.target_epsilon) and self.target_epsilon > 0,
+                f"target_epsilon must be a finite number > 0, got {self.target_epsilon!r}",
+            )
         _require(
             _is_real(self.clip_norm) and self.clip_norm > 0,
             f"clip_norm must be a finite number > 0, got {self.clip_norm!r}",
@@ -158,17 +165,19 @@ class PrivacyConfig:
                 f"max_participations only applies to sampler 'min-sep' (got sampler {sampler!r}); "
                 "the other samplers' accounting already covers every participation",
             )
-        if sampler == "all":
-            _require(
-                self.expected_cohort == self.num_users,
-                f"sampler 'all' uses every user every round, so expected_cohort must equal num_users "
-                f"({self.num_users}); got {self.expected_cohort}",
-            )
         if sampler == "without-replacement":
             _require(
                 self.accountant == "rdp",
                 "sampler 'without-replacement' is accounted with dp_accounting's RDP accountant only "
                 "(replace-one adjacency); set accountant 'rdp'",
+            )
+        if self.num_users is None:
+            return  # the checks below need N; they run when the population is filled in
+        if sampler == "all":
+            _require(
+                self.expected_cohort == self.num_users,
+                f"sampler 'all' uses every user every round, so expected_cohort must equal num_users "
+                f"({self.num_users}); got {self.expected_cohort}",
             )
         if sampler == "cyclic-poisson":
             _require(
@@ -193,6 +202,23 @@ class PrivacyConfig:
                     f"participations that {self.rounds} rounds with separation {separation} give a "
                     "user; it would under-count the privacy loss",
                 )
+
+    # --- resolution ----------------------------------------------------------------------------------
+    @property
+    def resolved(self) -> bool:
+        """Whether the population N and σ are known (what samplers, noise and accounting need)."""
+        return self.num_users is not None and self.noise_multiplier is not None
+
+    def require_resolved(self, what: str) -> "PrivacyConfig":
+        """This config, if resolved; else a ValueError saying what is missing and how to fill it in."""
+        missing = [name for name in ("num_users", "noise_multiplier") if getattr(self, name) is None]
+        _require(
+            not missing,
+            f"{what} needs a resolved PrivacyConfig, but {' and '.join(missing)} is not set yet: call "
+            "fed_dp.accounting.resolve_privacy(config, num_users) (fed_dp.train and the Flower Strategy do "
+            "this for you), or give num_users and noise_multiplier",
+        )
+        return self
 
     # --- derived quantities --------------------------------------------------------------------------
     @property
@@ -240,3 +266,75 @@ class PrivacyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTraining:
+    """Local training of one user on its own examples, from the broadcast θ_{t−1} (ALGORITHMS §1).
+
+    The user takes minibatch SGD steps on ``loss(model, batch)``: ``epochs`` passes over its examples in
+    shuffled minibatches of ``batch_size`` (the last one of an epoch may be shorter), or, with ``steps``, that
+    many minibatches (epochs follow one another, each reshuffled). With ``max_examples`` a user trains on its
+    first ``max_examples`` examples only. The step is ``torch.optim.SGD``'s (dampening 0, no Nesterov):
+
+        g ← ∇loss + λ·θ          (λ = weight_decay)
+        m ← g at the first step, μ·m + g after (μ = momentum; m = g when μ = 0)
+        θ ← θ − η·m              (η = lr)
+
+    Momentum buffers start at zero for every user and round (nothing of a user persists across rounds).
+    Δ_i = θ_i − θ_{t−1} is then clipped to ζ; none of this changes the privacy accounting, which bounds the
+    whole update of a user by its clip, whatever the local work.
+    """
+
+    epochs: int = 1
+    steps: int | None = None
+    batch_size: int = 16
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    max_examples: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size") + tuple(n for n in ("steps", "max_examples") if getattr(self, n) is not None):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"local {name} must be an integer >= 1, got {value!r}")
+        _require(
+            self.steps is None or self.epochs == 1,
+            f"give local epochs or local steps, not both (epochs = {self.epochs}, steps = {self.steps})",
+        )
+        _require(_is_real(self.lr) and self.lr > 0, f"local lr must be a finite number > 0, got {self.lr!r}")
+        _require(
+            _is_real(self.momentum) and 0 <= self.momentum < 1,
+            f"local momentum must be in [0, 1), got {self.momentum!r}",
+        )
+        _require(
+            _is_real(self.weight_decay) and self.weight_decay >= 0,
+            f"local weight_decay must be a finite number >= 0, got {self.weight_decay!r}",
+        )
+
+    def examples_used(self, n: int) -> int:
+        """How many of a user's n examples it trains on: min(n, max_examples)."""
+        return n if self.max_examples is None else min(n, self.max_examples)
+
+    def schedule(self, n: int) -> list[tuple[int, int, int]]:
+        """The minibatches of a user with n examples: (epoch, start, stop) into that epoch's permutation.
+
+        With m = :meth:`examples_used` (n) and s = ⌈m / batch_size⌉ steps per epoch: step k is minibatch
+        k mod s of epoch ⌊k / s⌋; there are ``epochs``·s steps, or ``steps``. Users with the same m have
+        the same schedule (what lets the vectorized path train them together). Empty for m = 0.
+        """
+        m = self.examples_used(n)
+        if m == 0:
+            return []
+        per_epoch = math.ceil(m / self.batch_size)
+        total = self.steps if self.steps is not None else self.epochs * per_epoch
+        batches = []
+        for k in range(total):
+            start = (k % per_epoch) * self.batch_size
+            batches.append((k // per_epoch, start, min(start + self.batch_size, m)))
+        return batches
+
+    def epochs_needed(self, n: int) -> int:
+        """Permutations a user with n examples draws: one per epoch its schedule touches."""
+        schedule = self.schedule(n)
+        return schedule[-1][0] + 1 if schedule else 0

@@ -211,6 +211,7 @@ def make_privatizer(
     strategy: BandedStrategy | None = None,
 ) -> Privatizer:
     """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given)."""
+    config.require_resolved("the privatizer")
     if strategy is None:
         strategy = make_strategy(config)
     elif config.noise == "independent":

@@ -36,6 +36,7 @@ import torch
 from fed_dp.context import require_simulation
 from fed_dp.diagnostics import second_moment_summary
 from fed_dp.validation import check_positive as _positive
+from fed_dp.validation import require as _require
 
 SECOND_MOMENTS = ("noisy", "independent", "clean")
 
@@ -80,11 +81,6 @@ class OptimizerState(NamedTuple):
     m: torch.Tensor | None
     nu: torch.Tensor | None
     phi: torch.Tensor | None
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _decay(name: str, value: float) -> None:
@@ -196,13 +192,15 @@ def _denominator(
     *,
     source: str,
     bias_correction: bool,
-    floor: float,
+    floor: float | torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
     """sqrt(max(ν̂ − Φ̂, γ)) with bias correction (no ε outside the root, seed 001 Alg. 1);
-    sqrt(max(ν̂, 0)) + ε for the independent estimate, which can be negative (§3.5); sqrt(ν̂) + ε else."""
+    sqrt(max(ν̂, 0)) + ε for the independent estimate, which can be negative (§3.5); sqrt(ν̂) + ε else.
+    ``floor`` γ is a number or, for the default γ = Φ̂_t, a tensor (a vector for scale-then-privatize)."""
     if bias_correction:
-        return torch.sqrt(torch.clamp(nu_hat - phi_hat, min=floor))
+        return torch.sqrt(torch.maximum(nu_hat - phi_hat, torch.as_tensor(floor, dtype=nu_hat.dtype,
+                                                                         device=nu_hat.device)))
     if source == "independent":
         return torch.sqrt(torch.clamp(nu_hat, min=0.0)) + eps
     return torch.sqrt(nu_hat) + eps
@@ -211,7 +209,8 @@ def _denominator(
 def _validate_adaptive(opt: "Adam | AdaGrad") -> None:
     _positive("lr", opt.lr)
     _positive("eps", opt.eps)
-    _positive("bc_floor (γ)", opt.bc_floor)
+    if opt.bc_floor is not None:
+        _positive("bc_floor (γ)", opt.bc_floor)
     _positive("ime_alpha (α)", opt.ime_alpha)
     _require(
         opt.second_moment in SECOND_MOMENTS,
@@ -247,6 +246,11 @@ class Adam(ServerOptimizer):
     baseline of seed 000 §5.2). D_t = sqrt(ν̂) + ε, or with ``bias_correction`` (DP-AdamBC, seed 001
     Eq. 3 / Alg. 1) D_t = sqrt(max(ν̂_t − Φ̂_t, γ)) where b_t = β₂b_{t−1} + (1−β₂)Φ_t, Φ̂_t = b_t/(1−β₂ᵗ)
     (= (σζ/B)² for independent noise; the correlated-noise recursion of seed 000 App. A for BandMF).
+    The floor γ = ``bc_floor`` defaults to Φ̂_t itself, the noise floor of ν̂ ((σζ/B)² for independent
+    noise): a coordinate whose ν̂ − Φ̂ is below the noise floor is scaled as if its signal were at that floor,
+    a step of about η·m̂/sqrt(Φ̂). A tiny fixed γ (seed 001 uses 1e-8 at its scale) makes such coordinates
+    take huge steps once ν̂ − Φ̂ < 0 for many of them, which seed 000 (§4.4, Fig. 4) shows happens for a
+    large share of the coordinates when d ≫ (B/σ)²; DP-AdamBC then diverges (the README's heavy-tail run).
     λ = ``weight_decay`` is decoupled (DP-AdamW / DP-AdamW-BC, seed 004 Alg. 1, 2); we use the standard
     sqrt(ν̂) + ε form rather than seed 004's sqrt(ν̂ + ε₀). With ``scale_then_privatize`` (seed 000
     Alg. 8) ``scale`` gives s_t = 1/(sqrt(ν̂_{t−1}) + ε_s) to broadcast; the engine clips s_t ⊙ Δ_i and
@@ -259,7 +263,7 @@ class Adam(ServerOptimizer):
     eps: float = 1e-8
     weight_decay: float = 0.0
     bias_correction: bool = False
-    bc_floor: float = 1e-8
+    bc_floor: float | None = None
     second_moment: str = "noisy"
     ime_alpha: float = 1.0
     scale_then_privatize: bool = False
@@ -308,7 +312,7 @@ class Adam(ServerOptimizer):
         phi_hat = None if phi is None else phi / (1 - self.beta2**t)
         denominator = _denominator(
             nu_hat, phi_hat, source=self.second_moment, bias_correction=self.bias_correction,
-            floor=self.bc_floor, eps=self.eps,
+            floor=phi_hat if self.bc_floor is None else self.bc_floor, eps=self.eps,
         )
         step = -self.lr * (m_hat / denominator + self.weight_decay * params)
         metrics = second_moment_summary(nu_hat, phi_hat) if self.record_diagnostics else {}
@@ -323,7 +327,8 @@ class AdaGrad(ServerOptimizer):
 
     s_t as for :class:`Adam` (g̃², the privatized ŝ, or the clean g²). D_t = sqrt(G_t) + ε, or
     sqrt(max(G_t, 0)) + ε for the independent estimate, or with ``bias_correction``
-    D_t = sqrt(max(G_t − b_t, γ)) with b_t = b_{t−1} + Φ_t. The "for free" variant is independent moment
+    D_t = sqrt(max(G_t − b_t, γ)) with b_t = b_{t−1} + Φ_t (γ = ``bc_floor``, default 1e-8: unlike Adam's
+    Φ̂_t, b_t grows with t, so no single noise variance is its natural floor). The "for free" variant is independent moment
     estimation under replace-one adjacency with α²ζ² below the threshold of
     ``fed_dp.moment_estimation.free_threshold``: the engine's noise is then that of the first moment
     alone. σ = 0 reproduces ``torch.optim.Adagrad``.
@@ -339,6 +344,7 @@ class AdaGrad(ServerOptimizer):
 
     def __post_init__(self) -> None:
         _validate_adaptive(self)
+        _positive("bc_floor (γ)", self.bc_floor)
 
     @property
     def needs(self) -> RoundNeeds:

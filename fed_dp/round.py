@@ -9,8 +9,9 @@ The Flower strategy, the in-process simulation engine and the tests all go throu
 DP-critical path exists once:
 
 * the budget is checked before a cohort is drawn; a round over budget raises ``BudgetExceededError``;
-* every reply is validated (shape, dtype, finite values, count) and re-clipped to count·ζ (ζ per user;
-  count·ζ bounds the sum a node reports for its count users); a rejected reply counts as dropped users;
+* every contribution is validated (shape, dtype, finite values, count; an invalid one raises) and re-clipped
+  to count·ζ (ζ per user; count·ζ bounds the sum a node reports for its count users). Replies that arrive
+  over a network are read by ``fed_dp.clients.protocol`` first, which drops what it cannot count;
 * Σ_t is the UNWEIGHTED sum; noise from the privatizer; the average divides by the constant B;
 * the optimizer sees only g̃_t = −(Σ_t + w_t)/B (un-scaled by s_t for scale-then-privatize), plus what its
   ``needs`` ask for; the ledger records the round whatever the number of replies.
@@ -49,6 +50,7 @@ class Contribution:
     total_squares: torch.Tensor | None = None
     source: str = ""
     unclipped: int | None = None  # Σ 1[‖Δ_i‖ ≤ ζ_t] of these users, for adaptive clipping
+    scaled: bool = False  # clipped as s_t ⊙ Δ_i (scale-then-privatize), as the broadcast asked
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,9 @@ def _rejection(c: Contribution, dim: int, plan: RoundPlan) -> str | None:
             return f"{name} contains NaN or Inf"
     if plan.send_squares and bool((c.total_squares < 0).any()):
         return "total_squares has negative entries"
+    if c.scaled != (plan.scale is not None):
+        return ("not clipped in the broadcast s_t geometry (scale-then-privatize)" if plan.scale is not None
+                else "clipped in a scaled geometry, but no s_t was broadcast")
     if plan.send_clip_bits:
         if c.unclipped is None:
             return "no clip bits (adaptive clipping needs the number of unclipped users)"
@@ -213,18 +218,24 @@ def _reclip(vector: torch.Tensor, bound: float) -> tuple[torch.Tensor, bool]:
 
 
 def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, device, dtype):
-    """Validate and re-clip the replies; return (Σu, Σu² or None, users counted, metrics)."""
+    """Validate and re-clip the contributions; return (Σu, Σu² or None, users counted, metrics).
+
+    A contribution that is not a valid answer to ``plan`` (wrong shape or dtype, NaN/Inf, a bad count, no clip
+    bits under adaptive clipping, more users than sampled) raises ValueError: engines turn what arrives over a
+    network into contributions first and drop what they cannot read (``fed_dp.clients.protocol``), so an
+    invalid contribution here is a programming error. An oversized one is re-clipped (enforcement of ζ).
+    """
     total = torch.zeros(dim, device=device, dtype=dtype)
     squares = torch.zeros(dim, device=device, dtype=dtype) if plan.send_squares else None
-    counted, rejected, reclipped, unclipped = 0, [], 0, 0
+    counted, reclipped, unclipped = 0, 0, 0
     for c in contributions:
+        if not isinstance(c, Contribution):
+            raise ValueError(f"contributions must be fed_dp.round.Contribution objects, got {type(c).__name__}")
         reason = _rejection(c, dim, plan)
+        if reason is None and counted + c.count > plan.cohort.numel():
+            reason = f"more users ({counted + c.count}) than the {plan.cohort.numel()} sampled"
         if reason is not None:
-            rejected.append(f"{c.source or 'reply'}: {reason}")
-            continue
-        if counted + c.count > plan.cohort.numel():
-            rejected.append(f"{c.source or 'reply'}: more users replied than were sampled")
-            continue
+            raise ValueError(f"invalid contribution from {c.source or 'a node'} in round {plan.round + 1}: {reason}")
         clipped, was_clipped = _reclip(c.total.to(device, dtype), c.count * plan.clip_norm)
         reclipped += was_clipped
         total += clipped
@@ -234,8 +245,7 @@ def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, devi
             squares += sq
         counted += c.count
         unclipped += c.unclipped if plan.send_clip_bits else 0
-    metrics = {"replied_users": counted, "rejected_replies": rejected, "reclipped_replies": reclipped,
-               "unclipped_users": unclipped}
+    metrics = {"replied_users": counted, "reclipped_replies": reclipped, "unclipped_users": unclipped}
     return total, squares, counted, metrics
 
 

@@ -60,7 +60,7 @@ class Sampler:
     def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
         if config.sampler != self.name:
             raise ValueError(f"{type(self).__name__} needs sampler {self.name!r}, config has {config.sampler!r}")
-        self.config = config
+        self.config = config.require_resolved("the user sampler")
         self.seed = entropy_seed() if seed is None else int(seed)
         self.seeded_explicitly = seed is not None
         self.rounds_sampled = 0
@@ -251,6 +251,7 @@ def make_sampler(config: PrivacyConfig, seed: int | None = None) -> Sampler:
 
 def dp_event(config: PrivacyConfig, rounds: int | None = None) -> dp_accounting.DpEvent:
     """The accounting event of ``rounds`` rounds (default: the planned T) of ``config``'s mechanism."""
+    config.require_resolved("the accounting event")
     rounds = config.rounds if rounds is None else rounds
     if not (isinstance(rounds, int) and rounds >= 1):
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")

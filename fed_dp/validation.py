@@ -20,3 +20,19 @@ def check_positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``condition``."""
+    if not condition:
+        raise ValueError(message)
+
+
+def is_int(value: object) -> bool:
+    """An integer, and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A finite int or float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

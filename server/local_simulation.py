@@ -63,15 +63,18 @@ def flwr_env(home: Path) -> dict[str, str]:
     }
 
 
-def start(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpus: int = 1) -> subprocess.Popen:
-    """``flwr run . --stream`` in the background; its output goes to ``home/flwr-run.log``."""
+def start(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpus: int = 1,
+          app: Path = REPO) -> subprocess.Popen:
+    """``flwr run . --stream`` in the Flower app folder ``app`` (default: this project's) in the background;
+    its output goes to ``home/flwr-run.log``."""
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "flwr-run.log", "ab")
-    return subprocess.Popen(
-        [FLWR, "run", ".", "--stream", "--run-config", format_run_config(run_config),
-         "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus={client_cpus}"],
-        cwd=REPO, env=flwr_env(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    command = [FLWR, "run", ".", "--stream", "--federation-config",
+               f"num-supernodes={supernodes} client-resources-num-cpus={client_cpus}"]
+    if run_config:
+        command += ["--run-config", format_run_config(run_config)]
+    return subprocess.Popen(command, cwd=app, env=flwr_env(home), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -90,11 +93,11 @@ def stop_local_superlink(home: Path) -> None:
 
 
 def run(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpus: int = 1,
-        timeout: float = 240) -> str:
+        timeout: float = 240, app: Path = REPO) -> str:
     """Run to completion and clean up; returns the streamed log. Raises ``TimeoutError`` if not done in time.
 
     ``flwr run --stream`` exits 0 even when the ServerApp fails: callers check the log or the results."""
-    process = start(home, run_config, supernodes, client_cpus=client_cpus)
+    process = start(home, run_config, supernodes, client_cpus=client_cpus, app=app)
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -61,7 +61,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from fed_dp.clients.training import LocalTraining
+from fed_dp.clients.training import resolve_device
+from fed_dp.config import LocalTraining
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
@@ -69,8 +70,9 @@ from fed_dp.noise import Privatizer
 from fed_dp.optimizers import make_optimizer
 from fed_dp.factorization import optimize_toeplitz
 from fed_dp.simulations import engine
+from fed_dp.clients.task import initial_model
 from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
-from fed_dp.simulations.tasks import w1_task
+from fed_dp.simulations.builtin_tasks import w1_task
 
 SECTIONS = ("w1", "scaling", "noise", "accounting", "gpu")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
@@ -102,13 +104,13 @@ class W1Spec(W1Workload):
     def run_config(self, checkpoint_dir: Path) -> dict[str, Any]:
         """The project's Flower run config for W1 (DP-FedAvg with η = 1 is FedAvg of the noisy mean)."""
         return {
-            "task.name": "w1", "task.users": self.users, "task.examples": self.examples,
+            "task.ref": "w1", "task.users": self.users, "task.examples": self.examples,
             "privacy.expected-cohort": self.cohort, "privacy.rounds": self.rounds,
             "privacy.noise-multiplier": self.noise_multiplier, "privacy.clip-norm": self.clip_norm,
             "privacy.delta": self.delta, "privacy.accountant": self.accountant, "privacy.sampler": "poisson",
             "optimizer.name": "dp-fedavg", "optimizer.lr": 1.0,
             "local.epochs": self.epochs, "local.batch-size": self.batch_size, "local.lr": self.lr,
-            "run.seed": self.seed, "server.evaluate": False, "server.checkpoint-dir": str(checkpoint_dir),
+            "run.seed": self.seed, "run.eval-every": 0, "server.checkpoint-dir": str(checkpoint_dir),
             "client.device": "cpu",
         }
 
@@ -167,11 +169,13 @@ def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: i
         epsilon(privacy, t)
     with simulation():
         optimizer = make_optimizer("dp-fedavg", lr=1.0)
-    resolved = engine.resolve_device(device)
+    resolved = resolve_device(device)
+    path = {None: "auto", True: "vectorized", False: "sequential"}[vectorized]
     _sync(resolved)
-    seconds, (_, records) = _timed(lambda: engine.run(
-        task, privacy, optimizer, training, seed=seed, eval_every=privacy.rounds, vectorized=vectorized,
-        chunk_size=chunk_size, device=resolved))
+    seconds, result = _timed(lambda: engine.train(
+        task, privacy, optimizer, training, seed=seed, eval_every=0, training=path, chunk_size=chunk_size,
+        device=resolved))
+    records = result.records
     _sync(resolved)
     return {"seconds": seconds, "users": sum(int(r["cohort_size"]) for r in records),
             "path": "vectorized" if records and records[-1]["vectorized"] else "sequential",
@@ -185,21 +189,21 @@ def plain_training_seconds(task, users_per_round: list[list[int]], training: Loc
     model, no per-user copies, no clipping or noise). The channels-last layout, as the engine uses. Timed:
     gathering each round's examples onto the device in that layout (unless ``staged``: then they are
     gathered before the clock starts), and the SGD steps; one untimed warm-up step first."""
-    device = engine.resolve_device(device)
-    torch.manual_seed(seed)
-    model = task.make_model().to(device).to(memory_format=torch.channels_last)
+    device = resolve_device(device)
+    model = initial_model(task, seed)[0].to(device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=training.lr)
     generator = torch.Generator().manual_seed(seed)
     first = task.users[users_per_round[0][0]] if users_per_round and users_per_round[0] else None
     if first is not None and len(first):  # warm-up step, untimed (kernel selection, allocator)
-        x = first.x[: training.batch_size].to(device).contiguous(memory_format=torch.channels_last)
-        F.cross_entropy(model(x), first.y[: training.batch_size].to(device)).backward()
+        x, y = first.fields
+        x = x[: training.batch_size].to(device).contiguous(memory_format=torch.channels_last)
+        F.cross_entropy(model(x), y[: training.batch_size].to(device)).backward()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
 
     def gather(users: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.cat([task.users[u].x for u in users]).to(device).contiguous(memory_format=torch.channels_last)
-        return x, torch.cat([task.users[u].y for u in users]).to(device)
+        x = torch.cat([task.users[u].fields[0] for u in users]).to(device).contiguous(memory_format=torch.channels_last)
+        return x, torch.cat([task.users[u].fields[1] for u in users]).to(device)
 
     staged_rounds = [gather(users) for users in users_per_round] if staged else None
 
@@ -438,7 +442,7 @@ def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, l
     users_per_second = result["users"] / rounds_seconds
     plain_users_per_second = result["users"] / plain
     log(f"  {device}: engine {users_per_second:.0f} users/s, plain {plain_users_per_second:.0f} users/s")
-    return {"device": str(engine.resolve_device(device)), "users": users, "cohort": cohort, "rounds": rounds,
+    return {"device": str(resolve_device(device)), "users": users, "cohort": cohort, "rounds": rounds,
             "engine_seconds": rounds_seconds, "engine_setup_seconds": result["seconds"] - rounds_seconds,
             "plain_seconds": plain, "users_per_second": users_per_second,
             "plain_users_per_second": plain_users_per_second, "ratio_to_plain": users_per_second / plain_users_per_second,

@@ -1,6 +1,6 @@
 """The ``fed-dp`` command: the accounting commands of ``fed_dp.cli`` plus the simulation commands.
 
-    fed-dp simulate [CONFIG] [--set table.key=value ...] [--out DIR] [--no-plot]
+    fed-dp simulate [CONFIG] [--task MODULE:FACTORY] [--set table.key=value ...] [--out DIR] [--no-plot]
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
@@ -31,10 +31,16 @@ def _run_simulation(args: argparse.Namespace) -> None:
     from fed_dp.simulations.plots import plot_all
     from fed_dp.simulations.runner import DEFAULT_CONFIG, apply_overrides, format_table, load_config, read_results, run_experiment
 
-    config = apply_overrides(load_config(args.config), args.set or [])
+    # A task of the user's own, by reference (importable from the current folder), starts from the run
+    # configuration's defaults unless a config is named too; the built-in default config is for its own task.
+    config = load_config(args.config) if args.config or not args.task else {}
+    if args.task:
+        sys.path.insert(0, str(Path.cwd()))
+        config["task"] = {"ref": args.task}
+    config = apply_overrides(config, args.set or [])
     if getattr(args, "optimizers", None):
         config.setdefault("run", {})["optimizers"] = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    out = _out_dir(args, args.config or DEFAULT_CONFIG)
+    out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
     rows = run_experiment(config, out, progress=not args.quiet, log=print if not args.quiet else (lambda *_: None))
     print()
     print(format_table(rows))
@@ -61,7 +67,11 @@ def _run_plot(args: argparse.Namespace) -> None:
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None,
                         help="a TOML config file, or the name of a built-in config in simulations/configs "
-                        "(default: heavy-tail-quick)")
+                        "(default: heavy-tail-quick; with --task: the run configuration's defaults)")
+    parser.add_argument("--task", metavar="MODULE:FACTORY",
+                        help="train your own task: a function returning a fed_dp.Task, e.g. my_task:make_task "
+                        "(importable from the current folder); replaces the config's [task] table, whose keys "
+                        "--set task.KEY=VALUE then passes to the function")
     parser.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE",
                         help="override one config value, e.g. --set privacy.rounds=50 (repeatable)")
     parser.add_argument("--out", metavar="DIR", help="results folder (default: results/<config>-<time>)")

@@ -1,45 +1,60 @@
-"""The in-process simulation engine: users train locally, the server runs the shared ``fed_dp`` round.
+"""The in-process simulator: ``fed_dp.train(task, privacy, optimizer, local)`` trains a task with user-level DP.
 
-Each round (DESIGN.md "The one round"):
+    result = fed_dp.train(task, PrivacyConfig(expected_cohort=10, rounds=100, target_epsilon=3.0, delta=1e-5),
+                          optimizer="dp-adambc", local=LocalTraining(batch_size=16, lr=0.1), seed=0)
+    print(result.epsilon, result.records[-1])
 
-    plan = begin_round(state)                        # budget check, cohort from the fed_dp sampler
-    for every sampled user i:  Δ_i = local SGD from θ_{t−1} on user i's data
-                               u_i = clip(Δ_i, ζ)  or  clip(s_t ⊙ Δ_i, ζ) for scale-then-privatize
-    state, metrics = finish_round(state, plan, [Σ u_i (and Σ u_i²), count])
+It runs the one round loop of every engine (``fed_dp.server.round_loop.run_rounds``: budget, checkpoints,
+stop conditions, evaluation) with one difference from a Flower run: the plan reaches the users by a function
+call instead of messages. This process acts as one node hosting every user: ``fed_dp.clients.node.LocalTrainer``
+(the class a ClientApp uses) trains the sampled users — vectorized over users on CUDA, one at a time on the
+CPU — and replies with the sum of their clipped updates and their count. Noise, the fixed denominator, the
+optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is re-implemented here.
 
-The engine acts like one node hosting every user (a data silo): it replies with the sum of the clipped
-contributions and their count, exactly what a Flower ClientApp hosting many users sends. Noise, the fixed
-denominator, the optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is
-re-implemented here.
-
-Local training and clipping live in ``clients.training`` (one user at a time) and ``clients.vectorized``
-(many users at once with ``torch.func``), shared with the Flower ClientApp. Users train on ``device``
-(CPU or ``cuda``); the server round stays on the CPU, and only θ_{t−1} (and s_t) go to the device and
-Σu (and Σu²) come back, one d-vector each per round. The task's data is moved to the device, in the
-model's fast memory format, once per run.
+Users train on ``device``; the server round stays on the CPU, and only θ_{t−1} (and s_t) go to the device and
+Σu (and Σu²) come back, one d-vector each per round. In-memory users are moved to the device once per run.
 """
 
 from __future__ import annotations
 
-import time
+import math
+import secrets
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from tqdm import tqdm
 
-from fed_dp.clients.training import LocalTraining, resolve_device, to_device, use_fast_format
-from fed_dp.clients.vectorized import contribution as node_contribution
-from fed_dp.clients.vectorized import select_path
+from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
-from fed_dp.config import PrivacyConfig
+from fed_dp.clients.evaluation import evaluate_params, load_params
+from fed_dp.clients.node import LocalTrainer
+from fed_dp.clients.task import Task, initial_model
+from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
-from fed_dp.flat import ParamLayout
-from fed_dp.optimizers import ServerOptimizer
-from fed_dp.round import Contribution, ServerState, begin_round, finish_round, init_server
-from fed_dp.simulations.task import Task
+from fed_dp.optimizers import ServerOptimizer, make_optimizer
+from fed_dp.round import Contribution, RoundPlan, ServerState, init_server
+from fed_dp.server.round_loop import RoundReplies, run_rounds
+
+__all__ = ["TrainResult", "train"]
+
+
+@dataclass
+class TrainResult:
+    """A finished simulation: the trained model, the user-level ε spent at δ (``"not private"`` for the
+    noiseless baselines), the resolved privacy config (σ after calibration), one record per round, why the
+    run stopped early (the ε budget) if it did, and the final server state."""
+
+    model: nn.Module
+    params: torch.Tensor
+    epsilon: float | str
+    delta: float
+    privacy: PrivacyConfig
+    records: list[dict[str, Any]]
+    stopped: str | None
+    state: ServerState
 
 
 def _on_cpu(contribution: Contribution) -> Contribution:
@@ -47,101 +62,87 @@ def _on_cpu(contribution: Contribution) -> Contribution:
     return replace(contribution, total=contribution.total.cpu(), total_squares=None if squares is None else squares.cpu())
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, layout: ParamLayout, params: torch.Tensor, task: Task) -> dict[str, float]:
-    """Loss and accuracy on the task's held-out data; per frequency group when the task has groups.
+def _progress(rounds: int, on_round: Callable[[dict[str, Any]], None] | None):
+    bar = tqdm(total=rounds, desc="rounds", leave=False)
 
-    Runs on the model's device (the held-out inputs go there 4,096 at a time) in eval mode (restored
-    after); metrics are computed on the CPU."""
-    data = task.eval_data
-    if len(data) == 0:
-        return {}
-    named = dict(model.named_parameters())
-    for name, value in layout.unflatten(params).items():
-        named[name].copy_(value)
-    device = params.device if not named else next(iter(named.values())).device
-    was_training = model.training
-    model.eval()
-    try:
-        logits = torch.cat([model(data.x[i : i + 4096].to(device)).cpu() for i in range(0, len(data), 4096)])
-    finally:
-        model.train(was_training)
-    correct = (logits.argmax(dim=1) == data.y).double()
-    metrics = {"eval_loss": float(F.cross_entropy(logits, data.y)), "eval_accuracy": float(correct.mean())}
-    if task.class_groups is not None:
-        example_groups = task.class_groups[data.y]
-        for group in range(int(task.class_groups.max()) + 1):
-            mask = example_groups == group
-            if bool(mask.any()):
-                metrics[f"group{group}_accuracy"] = float(correct[mask].mean())
-                metrics[f"group{group}_loss"] = float(F.cross_entropy(logits[mask], data.y[mask]))
-    return metrics
+    def step(record: dict[str, Any]) -> None:
+        eps = record["epsilon"]
+        loss = record.get("train_loss", math.nan)
+        bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}", loss=f"{loss:.3f}")
+        bar.update(1)
+        if on_round is not None:
+            on_round(record)
+
+    return bar, step
 
 
-def run(
+def train(
     task: Task,
     privacy: PrivacyConfig,
-    optimizer: ServerOptimizer,
-    training: LocalTraining,
+    optimizer: ServerOptimizer | str = "dp-adam",
+    local: LocalTraining | None = None,
     *,
-    seed: int,
-    eval_every: int = 1,
-    on_round: Callable[[dict[str, Any]], None] | None = None,
-    vectorized: bool | None = None,
-    chunk_size: int | None = None,
     adaptive_clipping: AdaptiveClipConfig | None = None,
+    seed: int | None = None,
+    eval_every: int = 1,
     device: str | torch.device = "auto",
-) -> tuple[ServerState, list[dict[str, Any]]]:
-    """Train ``privacy.rounds`` rounds; returns the final server state and one record per round.
+    training: str = "auto",
+    chunk_size: int | None = None,
+    checkpoint_dir: str | None = None,
+    max_empty_rounds: int = 2,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Train ``task`` with user-level DP in this process; returns the model, ε and one record per round.
 
-    ``seed`` fixes the model initialization, the local training, the user sampler and the noise (a
-    research run; real deployments draw sampler and noise seeds from OS entropy). ``on_round`` is called
-    with each round's record (progress bars, logging). Records carry ``round_seconds``, the wall time of
-    the round before evaluation.
+    privacy: the mechanism; ``num_users`` may be left unset (the task's population is used; if set it must
+        match), and ``target_epsilon`` instead of ``noise_multiplier`` calibrates σ first.
+    optimizer: a server optimizer or its name (``fed_dp.optimizers.OPTIMIZERS``; the noiseless baselines
+        are allowed here, in a simulation, and report ``"not private"``).
+    local: local training of each user (default ``LocalTraining()``).
+    seed: None (model, sampler, noise and local training from OS entropy) or an int: a reproducible research run.
+    eval_every: evaluate with ``task.evaluate`` every k rounds and after the last (0: never).
+    device / training / chunk_size: where and how users train (``LocalTrainer``).
+    checkpoint_dir: save every round there and resume from it.
+    on_round: called with every round's record; ``progress``: show a progress bar.
 
-    ``vectorized`` chooses how users train (clients.vectorized.select_path): None (default, auto) =
-    vectorized over users with torch.func on CUDA when the model allows it, one user at a time on the CPU
-    (measured faster on the 2-core CPUs here: grouped convolutions under vmap are slow there); False = one
-    user at a time; True = vectorized or ValueError (e.g. BatchNorm). Every record carries ``vectorized``
-    = 1.0 or 0.0, the path that ran. ``chunk_size`` bounds the users of one vmapped call (None: automatic
-    from d). Both paths compute the same contributions (tests/clients/test_vectorized.py). ``device``:
-    where users train, ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda[:N]"``.
+    Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
+    path that ran as ``vectorized``), the optimizer's diagnostics, ``round_seconds`` and evaluation metrics.
     """
-    if privacy.num_users != task.num_users:
-        raise ValueError(
-            f"privacy.num_users = {privacy.num_users} but the task has {task.num_users} users; the sampler "
-            "must draw from the users that exist"
-        )
-    if not (isinstance(eval_every, int) and eval_every >= 1):
-        raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
-    device = resolve_device(device)
-    torch.manual_seed(seed)  # model initialization only; everything else uses explicit generators
-    model = task.make_model()
-    select_path(model, vectorized, device)  # vectorized=True with a BatchNorm model fails before any round
-    layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
-    initial = layout.flatten(dict(model.named_parameters())).detach()  # θ_0 on the CPU, for the server
-    model.to(device)
-    memory_format = use_fast_format(model, [(0, task.users[0])] if task.users else [])
-    users = [to_device(data, device, memory_format) for data in task.users]
-    records: list[dict[str, Any]] = []
+    if not isinstance(task, Task):
+        raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")
+    local = local if local is not None else LocalTraining()
+    if not isinstance(local, LocalTraining):
+        raise ValueError(f"local must be a fed_dp LocalTraining, got {type(local).__name__}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
     with simulation():
-        state = init_server(privacy, optimizer, initial, seed=seed, adaptive_clipping=adaptive_clipping)
-        for t in range(privacy.rounds):
-            started = time.perf_counter()
-            plan = begin_round(state)
-            scale = None if plan.scale is None else plan.scale.to(device)
-            contribution, train_metrics, path = node_contribution(
-                [(u, users[u]) for u in plan.cohort.tolist()], params=plan.params.to(device), round_index=plan.round,
-                clip_norm=plan.clip_norm, scale=scale, send_squares=plan.send_squares, model=model,
-                layout=layout, training=training, seed=seed, source="simulation",
-                vectorized=vectorized, chunk_size=chunk_size,
-            )
-            state, metrics = finish_round(state, plan, [_on_cpu(contribution)])
-            record = {**metrics, **train_metrics, "vectorized": float(path == "vectorized"),
-                      "round_seconds": time.perf_counter() - started}  # sampling, local training, server round
-            if (t + 1) % eval_every == 0 or t + 1 == privacy.rounds:
-                record.update(evaluate(model, layout, state.params, task))
-            records.append(record)
-            if on_round is not None:
-                on_round(record)
-    return state, records
+        if isinstance(optimizer, str):
+            optimizer = make_optimizer(optimizer)
+        privacy = resolve_privacy(privacy, task.num_users)
+        run_seed = seed if seed is not None else secrets.randbits(62)
+        model, layout, params = initial_model(task, run_seed)
+        trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size)
+        state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping)
+
+        def exchange(plan: RoundPlan) -> RoundReplies:
+            result, metrics, path = trainer.contribution(
+                round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
+                scale=plan.scale, send_squares=plan.send_squares, seed=run_seed, source="simulation")
+            return RoundReplies([_on_cpu(result)], client_metrics={**metrics, "vectorized": float(path == "vectorized")})
+
+        evaluate = None
+        if task.evaluate is not None:
+            evaluate = lambda rounds_done, theta: evaluate_params(  # noqa: E731
+                trainer.model, trainer.layout, theta.to(trainer.device), task.evaluate)
+        bar, step = _progress(privacy.rounds, on_round) if progress else (None, on_round)
+        try:
+            loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
+                              max_empty_rounds=max_empty_rounds, on_round=step)
+        finally:
+            if bar is not None:
+                bar.close()
+    load_params(model, layout, loop.state.params)
+    final = loop.records[-1] if loop.records else {}
+    return TrainResult(model=model, params=loop.state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
+                       privacy=privacy, records=loop.records, stopped=loop.stopped, state=loop.state)

@@ -1,19 +1,14 @@
 """Experiment runner: a TOML config → one or several optimizers trained with the same seeds → results.
 
-A config has five tables (keys hyphenated, as in Flower run configs); see ``simulations/configs/`` and the
-README. ``[privacy]`` holds the ``PrivacyConfig`` fields except ``num-users``, which is the task's number
-of users; ``target-epsilon`` instead of ``noise-multiplier`` calibrates σ with dp_accounting.
+A config is a run configuration (``fed_dp.run_config``: tables ``[task]``, ``[privacy]``, ``[optimizer]``,
+``[local]``, ``[adaptive]``, ``[client]``, ``[run]``; keys hyphenated, as in Flower run configs) plus two
+experiment keys: ``run.optimizers = [names]`` trains each of these optimizers with the same seeds, and
+``[optimizers.NAME]`` tables hold their hyper-parameters (the keys of ``[optimizer]``). See
+``simulations/configs/`` and the README.
 
-    [task]        name = "heavy-tail" and the task's own parameters (simulations.tasks)
-    [privacy]     expected-cohort, rounds, noise-multiplier | target-epsilon, clip-norm, delta, sampler, ...
-    [local]       epochs, batch-size, lr
-    [run]         seed, eval-every, optimizers = [names], engine = "auto" | "vectorized" | "sequential",
-                  device = "auto" | "cpu" | "cuda[:N]", chunk-size (users per vmapped call; 0 = automatic)
-    [optimizers.NAME]   hyper-parameters of optimizer NAME (fed_dp.optimizers.make_optimizer)
-
-Each run writes to its output folder: ``config.json`` (the resolved config), ``rounds-NAME.jsonl`` (one
-record per round: round, ε, losses, accuracies, per-group metrics, optimizer diagnostics) and
-``summary.json`` (the table printed at the end).
+Each run writes to its output folder: ``config.json`` (the config as given, and what was resolved: N, the
+calibrated σ, the seed), ``rounds-NAME.jsonl`` (one record per round: round, ε, losses, accuracies, per-group
+metrics, optimizer diagnostics) and ``summary.json`` (the table printed at the end).
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import secrets
 import time
 import tomllib
 from dataclasses import dataclass
@@ -30,22 +26,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-from fed_dp.accounting import calibrate_noise_multiplier, epsilon
-from fed_dp.adaptive_clipping import AdaptiveClipConfig, check_compatible
+from fed_dp.accounting import epsilon, resolve_privacy
+from fed_dp.clients.task import Task, build_task
+from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
-from fed_dp.context import simulation
-from fed_dp.optimizers import OPTIMIZERS, make_optimizer
-from fed_dp.clients.training import LocalTraining
-from fed_dp.simulations.engine import resolve_device, run
-from fed_dp.simulations.tasks import build_task
+from fed_dp.optimizers import OPTIMIZERS
+from fed_dp.run_config import RunConfig, apply_overrides
+from fed_dp.simulations.engine import train
 
-TABLES = ("task", "privacy", "local", "run", "optimizers", "adaptive")
+__all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
+           "read_results", "run_experiment"]
+
 DEFAULT_CONFIG = "heavy-tail-quick"
-
-
-def _keys(table: dict[str, Any]) -> dict[str, Any]:
-    """Hyphenated TOML keys → Python field names."""
-    return {k.replace("-", "_"): v for k, v in table.items()}
 
 
 def load_config(path: str | Path | None) -> dict[str, Any]:
@@ -66,120 +58,47 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
     return tomllib.loads(file.read_text(encoding="utf-8"))
 
 
-def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``--set table.key=value`` (value parsed as a TOML literal, else kept as a string)."""
-    config = copy.deepcopy(config)
-    for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"--set expects table.key=value (e.g. privacy.rounds=50), got {item!r}")
-        dotted, raw = item.split("=", 1)
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        *tables, key = dotted.split(".")
-        if tables[0] not in TABLES:
-            raise ValueError(f"--set {dotted}: unknown table {tables[0]!r}; tables are {', '.join(TABLES)}")
-        target = config
-        for table in tables:
-            target = target.setdefault(table, {})
-        target[key] = value
-    return config
-
-
 @dataclass(frozen=True)
 class Experiment:
-    """A parsed, validated config: everything a run needs."""
+    """A parsed, validated config: one run configuration per optimizer (identical but for the optimizer)."""
 
-    task_params: dict[str, Any]
-    privacy: PrivacyConfig
-    local: LocalTraining
-    seed: int
-    eval_every: int
-    optimizers: dict[str, dict[str, Any]]
-    calibrated_from: float | None
-    adaptive: AdaptiveClipConfig | None = None
-    engine: str = "auto"
-    device: str = "auto"
-    chunk_size: int | None = None
+    runs: dict[str, RunConfig]
 
     @property
-    def vectorized(self) -> bool | None:
-        """The engine's ``vectorized`` argument: None (auto), True or False."""
-        return {"auto": None, "vectorized": True, "sequential": False}[self.engine]
+    def base(self) -> RunConfig:
+        return next(iter(self.runs.values()))
+
+    @property
+    def privacy(self) -> PrivacyConfig:
+        return self.base.privacy
 
 
-def _adaptive(table: dict[str, Any], privacy: PrivacyConfig) -> AdaptiveClipConfig | None:
-    """[adaptive]: enabled, target-quantile, learning-rate, bit-noise-std (<= 0: B/20, Andrew et al.).
-
-    The initial clip norm is privacy.clip-norm. Independent noise only (checked when the server starts).
-    """
-    values = _keys(table)
-    if not values.pop("enabled", bool(values)):
-        return None
-    if values.get("bit_noise_std", 0) <= 0:
-        values["bit_noise_std"] = privacy.expected_cohort / 20
-    unknown = set(values) - {"target_quantile", "learning_rate", "bit_noise_std"}
+def parse_experiment(config: dict[str, Any]) -> Experiment:
+    """Validate a whole config (every optimizer's run configuration) before anything runs."""
+    tables = copy.deepcopy(config)
+    hyper = tables.pop("optimizers", {})
+    run_table = tables.setdefault("run", {})
+    names = run_table.pop("optimizers", None)
+    single = tables.get("optimizer", {})
+    if names is None:
+        names = [single.get("name", "dp-adam")]
+    elif "name" in single:
+        raise ValueError("give optimizer.name or run.optimizers, not both")
+    if not isinstance(names, list) or not names:
+        raise ValueError(f"run.optimizers must be a non-empty list of names, got {names!r}")
+    unknown = [n for n in list(names) + list(hyper) if n not in OPTIMIZERS]
     if unknown:
-        raise ValueError(f"unknown [adaptive] key(s) {sorted(unknown)}; known: enabled, target-quantile, learning-rate, bit-noise-std")
-    config = AdaptiveClipConfig(initial_clip_norm=privacy.clip_norm, **values)
-    check_compatible(privacy, config)
-    return config
-
-
-def parse_experiment(config: dict[str, Any], num_users: int) -> Experiment:
-    unknown = set(config) - set(TABLES)
-    if unknown:
-        raise ValueError(f"unknown config table(s) {sorted(unknown)}; tables are {', '.join(TABLES)}")
-    privacy_args = _keys(config.get("privacy", {}))
-    if "num_users" in privacy_args:
-        raise ValueError("privacy.num-users is the task's number of users; set task.users instead")
-    target = privacy_args.pop("target_epsilon", None)
-    if target is not None and "noise_multiplier" in privacy_args:
-        raise ValueError("give privacy.noise-multiplier or privacy.target-epsilon, not both")
-    privacy = PrivacyConfig(num_users=num_users, **{"noise_multiplier": 1.0, **privacy_args})
-    if target is not None:
-        privacy = privacy.replace(noise_multiplier=calibrate_noise_multiplier(privacy, float(target)))
-    run_table = _keys(config.get("run", {}))
-    names = run_table.pop("optimizers", ["dp-adam"])
-    seed = run_table.pop("seed", 0)
-    eval_every = run_table.pop("eval_every", max(1, privacy.rounds // 20))
-    engine = run_table.pop("engine", "auto")
-    if engine not in ("auto", "vectorized", "sequential"):
-        raise ValueError(f"run.engine must be 'auto', 'vectorized' or 'sequential', got {engine!r}")
-    device = str(run_table.pop("device", "auto"))
-    resolve_device(device)  # a CUDA device this machine lacks fails here, before any work
-    chunk_size = run_table.pop("chunk_size", 0)
-    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 0):
-        raise ValueError(f"run.chunk-size must be an integer >= 0 (0 = automatic), got {chunk_size!r}")
-    if run_table:
-        raise ValueError(f"unknown [run] key(s) {sorted(run_table)}; known: seed, eval-every, optimizers, "
-                         "engine, device, chunk-size")
-    hyper = {name: _keys(table) for name, table in config.get("optimizers", {}).items()}
-    unknown_names = [n for n in list(names) + list(hyper) if n not in OPTIMIZERS]
-    if unknown_names:
-        raise ValueError(f"unknown optimizer(s) {unknown_names}; choose from {', '.join(OPTIMIZERS)}")
-    with simulation():  # validates every optimizer's hyper-parameters before anything runs
-        for name in names:
-            make_optimizer(name, **hyper.get(name, {}))
-    return Experiment(
-        adaptive=_adaptive(config.get("adaptive", {}), privacy),
-        task_params=_keys(config.get("task", {})),
-        privacy=privacy,
-        local=LocalTraining(**_keys(config.get("local", {}))),
-        seed=int(seed),
-        eval_every=int(eval_every),
-        optimizers={name: hyper.get(name, {}) for name in names},
-        calibrated_from=target,
-        engine=engine,
-        device=device,
-        chunk_size=chunk_size or None,
-    )
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
+    runs = {}
+    for name in names:
+        runs[name] = RunConfig.from_tables({**tables, "optimizer": {**single, "name": name, **hyper.get(name, {})}})
+    resolve_device(runs[names[0]].client.device)  # a CUDA device this machine lacks fails here, before any work
+    return Experiment(runs)
 
 
 def _summary_row(name: str, records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     final = records[-1]
-    evaluated = [r for r in records if "eval_accuracy" in r]
+    evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
     last_eval = evaluated[-1] if evaluated else {}
     row = {
         "optimizer": name,
@@ -212,38 +131,40 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_experiment(
-    config: dict[str, Any], out_dir: str | Path, *, progress: bool = True, log=print
+    config: dict[str, Any], out_dir: str | Path, *, progress: bool = True, log=print, task: Task | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every optimizer of the config with the same seeds; write results; return the summary rows."""
-    task = build_task(**_keys(config.get("task", {})))
-    experiment = parse_experiment(config, task.num_users)
+    """Run every optimizer of the config with the same seeds; write results; return the summary rows.
+
+    ``task``: train this task instead of building the config's ``[task]`` (``fed-dp simulate --task``)."""
+    experiment = parse_experiment(config)
+    base = experiment.base
+    task = task if task is not None else build_task(base.task)
+    privacy = resolve_privacy(base.privacy, task.num_users)  # σ calibrated once, shared by every optimizer
+    seed = base.run.seed if base.run.seed is not None else secrets.randbits(62)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     resolved = {**copy.deepcopy(config), "resolved": {
-        "num_users": task.num_users, "noise_multiplier": experiment.privacy.noise_multiplier,
-        "calibrated_from_target_epsilon": experiment.calibrated_from, "task": task.description,
-        "seed_note": "explicit seed: sampler and noise are reproducible (research run)",
+        "num_users": task.num_users, "noise_multiplier": privacy.noise_multiplier,
+        "calibrated_from_target_epsilon": base.privacy.target_epsilon, "task": task.description or task.name,
+        "seed": seed, "seed_note": "explicit seed: sampler and noise are reproducible (research run)"
+        if base.run.seed is not None else "seed drawn from OS entropy for this run, shared by its optimizers",
     }}
     (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
-    log(f"task: {task.description}")
-    log(f"privacy: N = {task.num_users}, B = {experiment.privacy.expected_cohort}, T = {experiment.privacy.rounds}, "
-        f"sigma = {experiment.privacy.noise_multiplier:.4f}, clip = {experiment.privacy.clip_norm}, "
-        f"sampler = {experiment.privacy.sampler}, noise = {experiment.privacy.noise}, delta = {experiment.privacy.delta:g}; "
-        f"explicit seed {experiment.seed} (reproducible research run)")
+    log(f"task: {task.description or task.name}")
+    log(f"privacy: N = {task.num_users}, B = {privacy.expected_cohort}, T = {privacy.rounds}, "
+        f"sigma = {privacy.noise_multiplier:.4f}, clip = {privacy.clip_norm}, sampler = {privacy.sampler}, "
+        f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seed}")
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute it once up front
     # (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
-    schedule = [epsilon(experiment.privacy, t) for t in tqdm(
-        range(1, experiment.privacy.rounds + 1), desc="    accounting", disable=not progress, leave=False)]
-    log(f"user-level epsilon after {experiment.privacy.rounds} rounds: {schedule[-1]:.4f} "
-        f"({experiment.privacy.accountant}, delta = {experiment.privacy.delta:g})")
-    log(f"engine: {experiment.engine} on {resolve_device(experiment.device)}"
-        + (f", chunks of {experiment.chunk_size} users" if experiment.chunk_size else ""))
+    schedule = [epsilon(privacy, t) for t in tqdm(
+        range(1, privacy.rounds + 1), desc="    accounting", disable=not progress, leave=False)]
+    log(f"user-level epsilon after {privacy.rounds} rounds: {schedule[-1]:.4f} "
+        f"({privacy.accountant}, delta = {privacy.delta:g})")
+    log(f"users train: {base.client.training} on {resolve_device(base.client.device)}"
+        + (f", chunks of {base.client.chunk_size} users" if base.client.chunk_size else ""))
     rows = []
-    for name, hyper in experiment.optimizers.items():
-        with simulation():
-            optimizer = make_optimizer(name, **hyper)
-        bar = tqdm(total=experiment.privacy.rounds, desc=f"{name:>14}", disable=not progress, leave=True)
-        records_path = out / f"rounds-{name}.jsonl"
+    for name, run in experiment.runs.items():
+        bar = tqdm(total=privacy.rounds, desc=f"{name:>14}", disable=not progress, leave=True)
 
         def on_round(record: dict[str, Any]) -> None:
             eps = record["epsilon"]
@@ -251,14 +172,17 @@ def run_experiment(
             bar.update(1)
 
         start = time.perf_counter()
-        _, records = run(task, experiment.privacy, optimizer, experiment.local, seed=experiment.seed,
-                         eval_every=experiment.eval_every, on_round=on_round, adaptive_clipping=experiment.adaptive,
-                         vectorized=experiment.vectorized, chunk_size=experiment.chunk_size, device=experiment.device)
-        bar.close()
-        with records_path.open("w") as handle:
-            for record in records:
+        try:
+            result = train(task, privacy, run.optimizer.build(), run.local,
+                           adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
+                           seed=seed, eval_every=run.run.eval_every, device=run.client.device,
+                           training=run.client.training, chunk_size=run.client.chunk_size, on_round=on_round)
+        finally:
+            bar.close()
+        with (out / f"rounds-{name}.jsonl").open("w") as handle:
+            for record in result.records:
                 handle.write(json.dumps({"optimizer": name, **record}, default=str) + "\n")
-        rows.append(_summary_row(name, records, time.perf_counter() - start))
+        rows.append(_summary_row(name, result.records, time.perf_counter() - start))
     (out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     return rows
 

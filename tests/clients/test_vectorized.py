@@ -1,7 +1,7 @@
 """The vectorized path (clients.vectorized) computes the sequential path's contributions (clients.training).
 
-Both paths run the same local SGD (same per-user generator, minibatch order, mean cross-entropy per batch,
-p −= lr·grad) and the same clip; they differ only in float32 rounding: batched kernels (grouped
+Both paths run the same local training (same per-user generator, minibatch order, the task's loss, the
+LocalTraining SGD step with momentum and weight decay when set) and the same clip; they differ only in float32 rounding: batched kernels (grouped
 convolutions, batched matmuls) and the order of the sum over users. Stated tolerance: every coordinate
 agrees within RTOL = 1e-4 relative plus ATOL = 1e-5 · (‖u‖₂ + 1e-3) absolute (a per-user update of norm 1
 agrees to 1e-5 per coordinate); norms and losses within 1e-4 relative; counts and clip bits exactly
@@ -16,13 +16,18 @@ import pytest
 import torch
 from torch import nn
 
+from fed_dp.clients import losses
 from fed_dp.clients import training as seq
 from fed_dp.clients import vectorized as vec
-from fed_dp.clients.training import LocalTraining
+from fed_dp.clients.task import Examples
+from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 from fed_dp.simulations.models import linear_softmax, w1_cnn
 from fed_dp.simulations.synthetic import heavy_tail_data
-from fed_dp.simulations.task import UserData
+
+
+def UserData(x: torch.Tensor, y: torch.Tensor) -> Examples:  # noqa: N802 - one user's (inputs, labels)
+    return Examples((x, y))
 
 RTOL = 1e-4
 ATOL = 1e-5
@@ -60,13 +65,14 @@ def _w1_setup():
 SETUPS = {"linear_softmax": _linear_setup, "w1_cnn": _w1_setup}
 
 
-def _kwargs(model, training, *, clip_norm, stp, send_squares=True, seed=5):
+def _kwargs(model, training, *, clip_norm, stp, send_squares=True, seed=5, loss=losses.classification):
     layout, params = _flat(model)
     scale = None
     if stp:  # a broadcast s_t = 1/(sqrt(ν̂) + ε): positive, spread over two orders of magnitude
         scale = torch.exp(torch.randn(layout.size, generator=torch.Generator().manual_seed(2)))
     return {"params": params, "round_index": 3, "clip_norm": clip_norm, "scale": scale,
-            "send_squares": send_squares, "model": model, "layout": layout, "training": training, "seed": seed}
+            "send_squares": send_squares, "model": model, "layout": layout, "training": training, "seed": seed,
+            "loss": loss}
 
 
 def _assert_updates_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -137,11 +143,99 @@ def test_empty_cohort_and_a_user_without_examples():
     assert empty.count == 0 and not bool(empty.total.any()) and not bool(empty.total_squares.any())
     assert all(math.isnan(v) for v in metrics.values())
     no_data = (55, UserData(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long)))
-    cohort = [users[0], no_data, users[4]]
-    (cv, mv), (cs, ms) = vec.users_contribution(cohort, **kwargs), seq.users_contribution(cohort, **kwargs)
-    assert cv.count == cs.count == 3
-    _assert_updates_close(cv.total, cs.total)
-    assert math.isnan(mv["train_loss"]) and math.isnan(ms["train_loss"])  # as sequentially: no loss seen
+    for path in (vec.users_contribution, seq.users_contribution):
+        with pytest.raises(ValueError, match="user 55 has no examples"):
+            path([users[0], no_data, users[4]], **kwargs)
+
+
+@pytest.mark.parametrize("training", [
+    LocalTraining(epochs=2, batch_size=3, lr=0.2, momentum=0.9),
+    LocalTraining(epochs=1, batch_size=2, lr=0.3, weight_decay=0.05),
+    LocalTraining(steps=5, batch_size=2, lr=0.2, momentum=0.5, weight_decay=0.01, max_examples=4),
+], ids=["momentum", "weight-decay", "steps-cap-both"])
+def test_local_optimizer_options_agree_between_paths_and_with_torch_sgd(training):
+    """Momentum, weight decay, a step count and an example cap: the vectorized path equals the sequential
+    one, and the sequential one equals torch.optim.SGD run by hand on the same minibatches (the independent
+    reference: torch's own SGD with momentum and weight decay, dampening 0)."""
+    model, users, _ = _linear_setup()
+    kwargs = _kwargs(model, training, clip_norm=INACTIVE, stp=False)
+    _assert_same(vec.users_contribution(users, **kwargs), seq.users_contribution(users, **kwargs))
+    index, examples = users[7]  # 9 examples: the cap of 4 and the step count both bite
+    delta, _ = seq.local_delta(model, kwargs["layout"], kwargs["params"], examples, training,
+                               losses.classification, seq.user_generator(5, 3, index), user=index)
+    reference = linear_softmax(64, 7, bias=True, zero_init=False)
+    for name, p in reference.named_parameters():
+        p.data.copy_(kwargs["layout"].unflatten(kwargs["params"])[name])
+    sgd = torch.optim.SGD(reference.parameters(), lr=training.lr, momentum=training.momentum,
+                          weight_decay=training.weight_decay)
+    generator = seq.user_generator(5, 3, index)
+    m = training.examples_used(len(examples))
+    orders = [torch.randperm(m, generator=generator) for _ in range(training.epochs_needed(len(examples)))]
+    steps = 0
+    for epoch, start, stop in training.schedule(len(examples)):
+        sgd.zero_grad()
+        losses.classification(reference, examples.select(orders[epoch][start:stop])).backward()
+        sgd.step()
+        steps += 1
+    assert steps == (training.steps or training.epochs * math.ceil(m / training.batch_size))
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()]) - kwargs["params"]
+    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_task_loss_is_what_trains():
+    """A regression loss (MSE) through both paths: the same update, and one that differs from the
+    classification loss's (the loss really is the task's, not a built-in cross-entropy)."""
+    g = torch.Generator().manual_seed(4)
+    users = [(i, UserData(torch.randn(n, 5, generator=g), torch.randn(n, generator=g))) for i, n in enumerate([3, 4, 3])]
+    torch.manual_seed(0)
+    model = nn.Linear(5, 1)
+    kwargs = _kwargs(model, LocalTraining(batch_size=2, lr=0.1), clip_norm=INACTIVE, stp=False, loss=losses.regression)
+    vectorized = vec.users_contribution(users, **kwargs)
+    _assert_same(vectorized, seq.users_contribution(users, **kwargs))
+    x = torch.cat([u[1].fields[0] for u in users])
+    assert vectorized[1]["train_loss"] > 0
+    with pytest.raises(ValueError, match="regression target"):
+        seq.users_contribution([(0, UserData(x[:2], torch.randn(2)))], **{**kwargs, "loss": losses.classification})
+
+
+def test_a_loss_that_is_not_a_scalar_or_becomes_nan_names_the_user():
+    model, users, training = _linear_setup()
+    per_example = lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1], reduction="none")  # noqa: E731
+    for path in (vec.users_contribution, seq.users_contribution):
+        with pytest.raises(ValueError, match="scalar"):
+            path(users, **_kwargs(model, training, clip_norm=1.0, stp=False, loss=per_example))
+    nan_loss = lambda m, batch: losses.classification(m, batch) * float("nan")  # noqa: E731
+    for path in (vec.users_contribution, seq.users_contribution):
+        with pytest.raises(ValueError, match=r"loss of user 10\d became nan"):
+            path(users, **_kwargs(model, training, clip_norm=1.0, stp=False, loss=nan_loss))
+
+
+def test_data_dependent_control_flow_falls_back_to_the_sequential_path_with_one_log_line(caplog, monkeypatch):
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 7)
+
+        def forward(self, x):
+            if x.sum() > 0:  # Python control flow on data: vmap cannot trace it
+                return self.linear(x)
+            return -self.linear(x)
+
+    torch.manual_seed(0)
+    model = Branchy()
+    _, users, training = _linear_setup()
+    kwargs = _kwargs(model, training, clip_norm=1.0, stp=False)
+    monkeypatch.setattr(vec, "select_path", lambda *args, **kw: ("vectorized", ""))  # what auto picks on CUDA
+    vec._reported_fallbacks.discard("Branchy")
+    with caplog.at_level("WARNING", logger="fed_dp.clients"):
+        result, metrics, path = vec.contribution(users, **kwargs)
+        again = vec.contribution(users, **kwargs)
+    assert path == "sequential" and again[2] == "sequential"
+    expected, expected_metrics = seq.users_contribution(users, **kwargs)
+    assert torch.equal(result.total, expected.total) and metrics == expected_metrics
+    assert sum("cannot be vectorized" in r.getMessage() for r in caplog.records) == 1  # said once
+    with pytest.raises(RuntimeError):  # forced vectorization: the error, not a silent fallback
+        vec.contribution(users, vectorized=True, **kwargs)
 
 
 class _Normed(nn.Module):

@@ -75,3 +75,63 @@ def test_derived_rates_and_participations():
 def test_to_dict_round_trips():
     config = make(sampler="cyclic-poisson", noise="bandmf", bands=5, workload="momentum", momentum=0.9)
     assert PrivacyConfig(**config.to_dict()) == config
+
+
+# --- target ε, the task's population, and resolution -------------------------------------------------------
+def test_give_exactly_one_of_sigma_and_target_epsilon():
+    from fed_dp.config import PrivacyConfig
+
+    with pytest.raises(ValueError, match="exactly one of noise_multiplier"):
+        PrivacyConfig(expected_cohort=5, rounds=3, delta=1e-5)
+    with pytest.raises(ValueError, match="exactly one of noise_multiplier"):
+        PrivacyConfig(expected_cohort=5, rounds=3, delta=1e-5, noise_multiplier=1.0, target_epsilon=2.0)
+    with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
+        PrivacyConfig(expected_cohort=5, rounds=3, delta=1e-5, target_epsilon=-1.0)
+
+
+def test_an_unresolved_config_cannot_drive_a_sampler_noise_or_accounting():
+    from fed_dp.accounting import PrivacyLedger, epsilon
+    from fed_dp.config import PrivacyConfig
+    from fed_dp.noise import make_privatizer
+    from fed_dp.sampling import make_sampler
+
+    partial = PrivacyConfig(expected_cohort=5, rounds=3, delta=1e-5, target_epsilon=2.0)
+    assert not partial.resolved
+    for use in (lambda: make_sampler(partial), lambda: make_privatizer(partial, 4), lambda: epsilon(partial),
+                lambda: PrivacyLedger(partial)):
+        with pytest.raises(ValueError, match="resolve_privacy"):
+            use()
+
+
+def test_resolve_fills_the_population_and_calibrates_in_one_step():
+    from fed_dp.accounting import calibrate_noise_multiplier, epsilon, resolve_privacy
+    from fed_dp.config import PrivacyConfig
+
+    partial = PrivacyConfig(expected_cohort=5, rounds=20, delta=1e-5, target_epsilon=2.0, accountant="rdp")
+    resolved = resolve_privacy(partial, 100)
+    assert resolved.num_users == 100 and resolved.target_epsilon is None and resolved.resolved
+    # the σ of one step is the σ of the two-step route (placeholder σ, then calibrate)
+    two_steps = calibrate_noise_multiplier(partial.replace(num_users=100, target_epsilon=None, noise_multiplier=1.0), 2.0)
+    assert resolved.noise_multiplier == two_steps
+    assert epsilon(resolved) <= 2.0 < epsilon(resolved.replace(noise_multiplier=resolved.noise_multiplier * 0.99))
+    with pytest.raises(ValueError, match="task has 50 users"):
+        resolve_privacy(resolved, 50)
+    with pytest.raises(ValueError, match="population size is unknown"):
+        resolve_privacy(partial)
+    with pytest.raises(ValueError, match="must be <= num_users"):
+        resolve_privacy(partial, 3)  # B = 5 > N = 3: checked once N is known
+    assert resolve_privacy(resolved) is resolved
+
+
+def test_local_training_schedule_and_checks():
+    from fed_dp.config import LocalTraining
+
+    assert LocalTraining(epochs=2, batch_size=3).schedule(5) == [(0, 0, 3), (0, 3, 5), (1, 0, 3), (1, 3, 5)]
+    assert LocalTraining(steps=3, batch_size=4).schedule(5) == [(0, 0, 4), (0, 4, 5), (1, 0, 4)]
+    assert LocalTraining(batch_size=2, max_examples=3).schedule(10) == [(0, 0, 2), (0, 2, 3)]
+    assert LocalTraining(steps=3, batch_size=4).epochs_needed(5) == 2 and LocalTraining().schedule(0) == []
+    for bad, message in (({"epochs": 0}, "epochs"), ({"steps": 0}, "steps"), ({"steps": 2, "epochs": 2}, "not both"),
+                         ({"momentum": 1.0}, "momentum"), ({"weight_decay": -0.1}, "weight_decay"),
+                         ({"max_examples": 0}, "max_examples"), ({"lr": float("nan")}, "lr")):
+        with pytest.raises(ValueError, match=message):
+            LocalTraining(**bad)

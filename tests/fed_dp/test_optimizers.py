@@ -703,3 +703,34 @@ def test_update_does_not_mutate_inputs(name):
     for old, new in zip(state[1:], new_state[1:]):
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
             assert old.data_ptr() != new.data_ptr()
+
+
+# =====================================================================================================
+# DP-AdamBC's default floor γ = Φ̂_t (the noise floor itself), scalar and per-coordinate (STP)
+# =====================================================================================================
+def test_adambc_default_floor_is_the_noise_variance_estimate():
+    """One step from zero state: m̂ = g, ν̂ = g², Φ̂ = Φ. Coordinates with ν̂ − Φ̂ below Φ̂ are divided by
+    sqrt(Φ̂); the others by sqrt(ν̂ − Φ̂) (closed form, no ε). A floor of 1e-8 would divide by 1e-4 instead."""
+    lr, phi = 0.1, 1.0
+    g = torch.tensor([0.1, 1.2, 3.0], dtype=F64)
+    params = torch.zeros(3, dtype=F64)
+    opt = Adam(bias_correction=True, lr=lr)
+    assert opt.bc_floor is None
+    step, _, _ = opt.update(RoundRelease(grad=g, noise_variance=phi), opt.init(params), params)
+    denominator = torch.tensor([math.sqrt(phi), math.sqrt(max(1.44 - phi, phi)), math.sqrt(9.0 - phi)], dtype=F64)
+    torch.testing.assert_close(step, -lr * g / denominator, rtol=1e-12, atol=0)
+    fixed, _, _ = Adam(bias_correction=True, lr=lr, bc_floor=1e-8).update(
+        RoundRelease(grad=g, noise_variance=phi), opt.init(params), params)
+    assert abs(fixed[0].item()) == pytest.approx(lr * 0.1 / 1e-4)  # what the default protects against
+
+
+def test_adambc_default_floor_follows_a_per_coordinate_noise_variance():
+    """Scale-then-privatize hands Φ_t per coordinate; the default floor is then per coordinate too."""
+    lr = 0.5
+    g = torch.tensor([0.2, 0.2], dtype=F64)
+    phi = torch.tensor([0.01, 4.0], dtype=F64)
+    params = torch.zeros(2, dtype=F64)
+    opt = Adam(bias_correction=True, lr=lr)
+    step, _, _ = opt.update(RoundRelease(grad=g, noise_variance=phi), opt.init(params), params)
+    expected = -lr * g / torch.sqrt(torch.maximum(g.square() - phi, phi))
+    torch.testing.assert_close(step, expected, rtol=1e-12, atol=0)

@@ -1,12 +1,17 @@
-"""A ClientApp that wraps the project's honest one and corrupts its replies, by partition id:
-0 → update scaled to norm 10⁶, 1 → a NaN in the update, 2 → an update of the wrong shape; others honest."""
+"""ClientApps for tests under Flower's simulation engine (imported by Ray's workers from this folder).
+
+``app`` wraps the project's honest ClientApp and corrupts its replies, by partition id: 0 → update scaled to
+norm 10⁶, 1 → a NaN in the update, 2 → an update of the wrong shape; others honest. ``no_query_app`` is a
+ClientApp written as for Flower's own strategies: it trains but has no ``@app.query()`` handler.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fed_dp.clients import protocol
 from fed_dp.clients.app import query as honest_query
 from fed_dp.clients.app import train as honest_train
 
@@ -22,14 +27,23 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     reply = honest_train(msg, context)
-    arrays = reply.content["update"].to_numpy_ndarrays()
+    arrays = reply.content[protocol.UPDATE].to_torch_state_dict()
+    total = arrays["total"]
     fault = FAULTS.get(int(context.node_config["partition-id"]))
     if fault == "huge":
-        arrays[0] = (np.ones_like(arrays[0]) * 1e6 / np.sqrt(arrays[0].size)).astype(np.float32)
+        arrays["total"] = torch.ones_like(total) * 1e6 / total.numel() ** 0.5
     elif fault == "nan":
-        arrays[0] = arrays[0].copy()
-        arrays[0][0] = np.nan
+        arrays["total"] = total.clone()
+        arrays["total"][0] = float("nan")
     elif fault == "shape":
-        arrays[0] = np.zeros(arrays[0].size + 3, dtype=np.float32)
-    return Message(content=RecordDict({"update": ArrayRecord(arrays), "metrics": reply.content["metrics"]}),
-                   reply_to=msg)
+        arrays["total"] = torch.zeros(total.numel() + 3)
+    return Message(content=RecordDict({protocol.UPDATE: ArrayRecord(torch_state_dict=arrays),
+                                       protocol.REPLY: reply.content[protocol.REPLY]}), reply_to=msg)
+
+
+no_query_app = ClientApp()
+
+
+@no_query_app.train()
+def train_only(msg: Message, context: Context) -> Message:
+    return honest_train(msg, context)

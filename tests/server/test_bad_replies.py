@@ -1,56 +1,78 @@
-"""Malformed client replies under Flower's simulation engine: the run goes on, bad replies are rejected or
-re-clipped, and the model moves by at most ζ/B per user of the bad nodes."""
+"""Under Flower's simulation engine (``run_simulation``), with a ServerApp of our own built on the public
+UserLevelDP strategy, as a user writes one: malformed client replies are rejected or re-clipped and the run goes
+on; ClientApps without a user query stop the run before any budget is spent."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
-from fed_dp.server import config as server_config
 from fed_dp.checkpoint import load_checkpoint
-from fed_dp.server.app import _initial_params, app as server_app
-from fed_dp.server.config import task_params
-from fed_dp.simulations.tasks import build_task
+from fed_dp.clients.task import initial_model
+from fed_dp.config import PrivacyConfig
+from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
+from fed_dp.server.membership import NoUsersError
+from fed_dp.simulations.builtin_tasks import heavy_tail_task
 
 HERE = Path(__file__).resolve().parent
+PRIVACY = PrivacyConfig(num_users=40, expected_cohort=10, rounds=1, noise_multiplier=1e-9, delta=1e-5,
+                        accountant="rdp")  # the ClientApps use the run-config defaults: heavy-tail, 40 users
 
 
-def test_huge_nan_and_misshaped_replies_are_handled(tmp_path, monkeypatch):
-    overrides = {
-        "run.seed": 3, "privacy.rounds": 1, "privacy.noise-multiplier": 1e-9, "optimizer.name": "dp-fedavg",
-        "server.checkpoint-dir": str(tmp_path / "ckpt"), "server.evaluate": False,
-    }  # server-side keys only: the clients run in Ray workers with the unpatched DEFAULTS (40 users)
-    for key, value in overrides.items():  # run_simulation passes no run config: the ServerApp uses DEFAULTS
-        monkeypatch.setitem(server_config.DEFAULTS, key, value)
+def _server_app(checkpoint_dir: Path, outcome: dict) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = UserLevelDP(PRIVACY, "dp-fedavg", seed=3, checkpoint_dir=str(checkpoint_dir), evaluate_every=0)
+        try:
+            outcome["result"] = strategy.start(grid, model_arrays(initial_model(heavy_tail_task(), 3)[0]))
+        except Exception as error:  # the ServerApp runs in a thread of run_simulation: keep what it raised
+            outcome["error"] = error
+
+    return app
+
+
+def _simulate(tmp_path, monkeypatch, client_app_name: str) -> dict:
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
-    # Ray's worker processes import the faulty ClientApp from this folder.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    # Ray's worker processes import the test ClientApps from this folder.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(tmp_path)
     import faulty_client
 
-    run_simulation(server_app=server_app, client_app=faulty_client.app, num_supernodes=4,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    outcome: dict = {}
+    run_simulation(server_app=_server_app(tmp_path / "ckpt", outcome), client_app=getattr(faulty_client, client_app_name),
+                   num_supernodes=4, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                                     "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    return outcome
 
-    records = json.loads((tmp_path / "ckpt" / "results.json").read_text())
-    assert len(records) == 1, "the run completed its round"
-    record = records[0]
+
+def test_huge_nan_and_misshaped_replies_are_handled(tmp_path, monkeypatch):
+    outcome = _simulate(tmp_path, monkeypatch, "app")
+    assert "error" not in outcome, outcome.get("error")
+    (record,) = outcome["result"].records
     dropped = " ".join(record["dropped"])
     assert "NaN" in dropped and "shape" in dropped, record["dropped"]
     assert record["reclipped_replies"] >= 1
     # Users on partition p are p, p+4, ...; the huge node (partition 0) contributed at most count·ζ.
-    config = {**server_config.DEFAULTS}
     sampled = torch.arange(40)  # upper bound: every user of partition 0 sampled
-    huge_users = int((sampled % 4 == 0).sum())
-    honest_users = int((sampled % 4 == 3).sum())
-    task = build_task(**task_params(config))
-    initial = _initial_params(task, 3)[2]
+    huge_users, honest_users = int((sampled % 4 == 0).sum()), int((sampled % 4 == 3).sum())
+    initial = initial_model(heavy_tail_task(), 3)[2]
     moved = (load_checkpoint(tmp_path / "ckpt")["state"]["params"] - initial).norm().item()
-    bound = (huge_users + honest_users) * 1.0 / config["privacy.expected-cohort"]
-    assert moved <= bound * (1 + 1e-4), (moved, bound)
-    assert moved > 0
+    bound = (huge_users + honest_users) * PRIVACY.clip_norm / PRIVACY.expected_cohort
+    assert 0 < moved <= bound * (1 + 1e-4), (moved, bound)
+
+
+def test_clientapps_without_a_user_query_stop_the_run_before_spending_budget(tmp_path, monkeypatch):
+    outcome = _simulate(tmp_path, monkeypatch, "no_query_app")
+    error = outcome.get("error")
+    assert isinstance(error, NoUsersError), outcome
+    assert "none of the 4 connected node(s) hosts any user" in str(error) and "@app.query()" in str(error)
+    assert not (tmp_path / "ckpt" / "checkpoint.pt").exists()  # no round was released

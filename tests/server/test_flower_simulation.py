@@ -10,15 +10,19 @@ import pytest
 import torch
 
 import flower_run
-from fed_dp.clients.training import LocalTraining
-from fed_dp.accounting import epsilon
+from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.checkpoint import load_checkpoint
-from fed_dp.optimizers import make_optimizer
-from fed_dp.server.config import parse_app_config, task_params
-from fed_dp.simulations.engine import run as run_in_process
-from fed_dp.simulations.tasks import build_task
+from fed_dp.clients.task import build_task
+from fed_dp.config import LocalTraining
+from fed_dp.run_config import RunConfig
+from fed_dp.simulations.engine import train
 
 RUN = {"run.seed": 7, "privacy.rounds": 3, "task.users": 40}
+
+
+def _privacy(config: dict):
+    """The PrivacyConfig the ServerApp runs for ``config`` (N = the task's 40 users), built here."""
+    return resolve_privacy(RunConfig.from_flat(config).privacy, 40)
 
 
 def _results(folder) -> list[dict]:
@@ -37,9 +41,9 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
     log = flower_run.run(tmp_path / "home", config, supernodes=2)
     assert "2 SuperNode(s) host 40 of the 40 users" in log, log[-3000:]
     records = _results(out)
-    app = parse_app_config(config)
-    privacy = app.experiment.privacy
-    assert privacy.sampler == "poisson" and privacy.num_users == 40
+    run = RunConfig.from_flat(config)
+    privacy = _privacy(config)
+    assert privacy.sampler == "poisson" and privacy.num_users == 40 and privacy.accountant == "pld"
     assert [r["round"] for r in records] == [0, 1, 2]
     for t, record in enumerate(records):
         assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1), rel=1e-12)
@@ -47,14 +51,12 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
         assert f"epsilon {record['epsilon']:.4f}" in log
     flower_params = load_checkpoint(out)["state"]["params"]
 
-    task = build_task(**task_params(config))
-    optimizer = make_optimizer(app.optimizer_name, **app.experiment.optimizers[app.optimizer_name])
-    state, _ = run_in_process(task, privacy, optimizer, LocalTraining(**{"epochs": 1, "batch_size": 1, "lr": 1.0}),
-                              seed=7)
+    task = build_task(run.task)
+    engine = train(task, privacy, run.optimizer.build(), run.local, seed=7, device="cpu")
     torch.manual_seed(7)
-    initial = torch.cat([p.detach().reshape(-1) for p in task.make_model().parameters()])
+    initial = torch.cat([p.detach().reshape(-1) for p in task.build_model().parameters()])
     assert not torch.allclose(flower_params, initial)
-    torch.testing.assert_close(flower_params, state.params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flower_params, engine.params, rtol=1e-5, atol=1e-6)
 
 
 def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
@@ -64,32 +66,30 @@ def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
     numbers in a different order across 2 nodes: rtol 1e-5, atol 1e-6; the vectorized path also uses
     grouped convolutions, which round differently: rtol 1e-4, atol 1e-5."""
     out = tmp_path / "ckpt"
-    config = {"task.name": "w1", "task.users": 8, "task.examples": 8, "privacy.expected-cohort": 4,
+    config = {"task.ref": "w1", "task.users": 8, "task.examples": 8, "privacy.expected-cohort": 4,
               "privacy.rounds": 2, "privacy.accountant": "rdp", "optimizer.name": "dp-fedavg", "optimizer.lr": 1.0,
-              "local.batch-size": 4, "local.lr": 0.05, "run.seed": 11, "server.evaluate": False,
+              "local.batch-size": 4, "local.lr": 0.05, "run.seed": 11, "run.eval-every": 0,
               "server.checkpoint-dir": str(out)}
     flower_run.run(tmp_path / "home", config, supernodes=2)
     records = _results(out)
-    app = parse_app_config(config)
-    privacy = app.experiment.privacy
+    privacy = resolve_privacy(RunConfig.from_flat(config).privacy, 8)
     assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in (1, 2)]
     flower_params = load_checkpoint(out)["state"]["params"]
-    task = build_task(**task_params(config))
-    training = LocalTraining(epochs=1, batch_size=4, lr=0.05)
-    for vectorized, tolerance in ((None, {"rtol": 1e-5, "atol": 1e-6}), (True, {"rtol": 1e-4, "atol": 1e-5})):
-        state, engine_records = run_in_process(task, privacy, make_optimizer("dp-fedavg", lr=1.0), training, seed=11,
-                                               vectorized=vectorized)
-        assert [r["cohort_size"] for r in engine_records] == [r["cohort_size"] for r in records]
-        assert [r["epsilon"] for r in engine_records] == [r["epsilon"] for r in records]
-        torch.testing.assert_close(flower_params, state.params, **tolerance)
+    task = build_task(RunConfig.from_flat(config).task)
+    local = LocalTraining(epochs=1, batch_size=4, lr=0.05)
+    for path, tolerance in (("auto", {"rtol": 1e-5, "atol": 1e-6}), ("vectorized", {"rtol": 1e-4, "atol": 1e-5})):
+        engine = train(task, privacy, "dp-fedavg", local, seed=11, training=path, device="cpu")
+        assert [r["cohort_size"] for r in engine.records] == [r["cohort_size"] for r in records]
+        assert [r["epsilon"] for r in engine.records] == [r["epsilon"] for r in records]
+        torch.testing.assert_close(flower_params, engine.params, **tolerance)
     torch.manual_seed(11)
-    initial = torch.cat([p.detach().reshape(-1) for p in task.make_model().parameters()])
+    initial = torch.cat([p.detach().reshape(-1) for p in task.build_model().parameters()])
     assert (flower_params - initial).norm() > 1e-3  # training and noise moved the model
 
 
 def test_kill_and_resume_reaches_the_same_model_with_a_continued_ledger(tmp_path):
     rounds = 60  # rounds take ~0.1 s once warm: enough of them to stop the run in the middle
-    base = {**RUN, "privacy.rounds": rounds, "server.evaluate": False}
+    base = {**RUN, "privacy.rounds": rounds, "privacy.accountant": "rdp", "run.eval-every": 0}
     interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
     home = tmp_path / "home-a"
     process = flower_run.start(home, {**base, "server.checkpoint-dir": str(interrupted)}, supernodes=2)
@@ -132,14 +132,16 @@ def test_the_readme_flwr_run_command_works_and_prints_epsilon(tmp_path):
         flower_run.stop_local_superlink(home)
     output = done.stdout + done.stderr
     assert done.returncode == 0
-    assert re.search(r"round 5/5: cohort \d+, replied \d+, epsilon 4\.4001", output), output[-3000:]
-    assert "fed-dp finished: 5 rounds" in output
+    expected = epsilon(_privacy({}), 5)  # the defaults: 40 users, B = 10, σ = 1, δ = 1e-5, PLD
+    assert re.search(rf"round 5/5: cohort \d+, replied \d+, epsilon {expected:.4f}", output), output[-3000:]
+    assert f"fed-dp finished: 5 rounds, user-level epsilon {expected:.4f}" in output
+    assert f"epsilon {expected:.4f}" in section  # the README shows what the command prints
 
 
 def test_a_round_over_the_epsilon_budget_is_refused_and_the_run_ends_cleanly(tmp_path):
     out = tmp_path / "ckpt"
     config = {**RUN, "privacy.rounds": 5, "privacy.epsilon-budget": 3.5, "server.checkpoint-dir": str(out)}
-    privacy = parse_app_config(config).experiment.privacy
+    privacy = _privacy(config)
     allowed = max(t for t in range(1, 6) if epsilon(privacy, t) <= 3.5)
     assert allowed < 5  # the budget really binds
     log = flower_run.run(tmp_path / "home", config, supernodes=2)
@@ -155,7 +157,7 @@ def test_adaptive_clipping_bits_travel_through_flower(tmp_path):
     config = {**RUN, "adaptive.enabled": True, "adaptive.bit-noise-std": 2.0, "server.checkpoint-dir": str(out)}
     flower_run.run(tmp_path / "home", config, supernodes=2)
     records = _results(out)
-    privacy = parse_app_config(config).experiment.privacy
+    privacy = _privacy(config)
     assert len(records) == 3 and all(r["replied_users"] == r["cohort_size"] for r in records)
     assert records[0]["clip_norm"] == privacy.clip_norm
     assert [r["clip_norm"] for r in records[1:]] == [r["next_clip_norm"] for r in records[:-1]]

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from fed_dp.accounting import epsilon
-from fed_dp.server.config import DEFAULTS, parse_app_config
+from fed_dp.run_config import RunConfig, flower_defaults
 from fed_dp.simulations import benchmark
 from fed_dp.simulations.cli import main as cli_main
 from fed_dp.simulations.flower_baseline import BaselineConfig
@@ -27,11 +27,11 @@ def test_w1_spec_is_benchmarks_md_and_flower_runs_the_same_config():
     assert (spec.users, spec.cohort, spec.rounds, spec.examples, spec.batch_size, spec.epochs) == (500, 50, 10, 32, 16, 1)
     assert (spec.lr, spec.clip_norm, spec.noise_multiplier) == (0.05, 1.0, 1.0)
     run_config = spec.run_config(checkpoint_dir="/tmp/x")
-    assert set(run_config) <= set(DEFAULTS)  # every key exists in the Flower app's run config
-    app = parse_app_config(run_config)
-    assert app.experiment.privacy == spec.privacy()
-    assert app.optimizer_name == "dp-fedavg" and app.experiment.optimizers["dp-fedavg"] == {"lr": 1.0}
-    assert app.experiment.local == spec.training()
+    assert set(run_config) - set(flower_defaults()) == {"task.users", "task.examples"}  # the rest are schema keys
+    run = RunConfig.from_flat(run_config)
+    assert run.privacy.replace(num_users=spec.users) == spec.privacy()
+    assert run.optimizer.name == "dp-fedavg" and run.optimizer.options == {"lr": 1.0}
+    assert run.local == spec.training() and run.task.target.endswith(":w1_task")
     baseline = spec.baseline("/tmp/out.json", client_cpus=2)
     assert isinstance(baseline, BaselineConfig)
     assert (baseline.users, baseline.cohort, baseline.rounds, baseline.lr, baseline.clip_norm,

@@ -1,4 +1,4 @@
-"""The in-process engine runs fed_dp's round: its noise, denominator and accounting are fed_dp's."""
+"""The in-process engine (fed_dp.train) runs fed_dp's round: its noise, denominator and accounting are fed_dp's."""
 
 from __future__ import annotations
 
@@ -9,22 +9,29 @@ import torch
 from torch import nn
 
 from fed_dp.accounting import epsilon
+from fed_dp.clients import evaluation, losses
+from fed_dp.clients.task import Task, Users
+from fed_dp.clients.training import local_delta, user_generator
 from fed_dp.clipping import clip_update
-from fed_dp.config import PrivacyConfig
+from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
-from fed_dp.clients.training import LocalTraining, local_delta, user_generator
-from fed_dp.simulations.engine import run
-from fed_dp.simulations.task import Task, UserData
+from fed_dp.simulations.engine import train
 
 
 def _task(num_users: int = 40, dim: int = 6, seed: int = 0) -> Task:
     g = torch.Generator().manual_seed(seed)
-    users = [UserData(torch.randn(4, dim, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(num_users)]
-    x = torch.cat([u.x for u in users])
-    y = torch.cat([u.y for u in users])
-    return Task(name="tiny", users=users, eval_data=UserData(x, y), make_model=lambda: nn.Linear(dim, 3),
-                num_classes=3, description="tiny")
+    users = [(torch.randn(4, dim, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(num_users)]
+    x = torch.cat([u[0] for u in users])
+    y = torch.cat([u[1] for u in users])
+    return Task(name="tiny", users=Users.in_memory(users), model=lambda: nn.Linear(dim, 3), loss=losses.classification,
+                evaluate=evaluation.classification((x, y)), description="tiny")
+
+
+def run(task, privacy, optimizer, local, *, seed, **options):
+    """The engine's result as (final server state, records)."""
+    result = train(task, privacy, optimizer, local, seed=seed, **options)
+    return result.state, result.records
 
 
 def _privacy(**changes) -> PrivacyConfig:
@@ -35,14 +42,15 @@ def _privacy(**changes) -> PrivacyConfig:
 
 def test_noise_of_a_round_with_zero_updates_is_sigma_zeta_over_B():
     """Local lr so small that Δ_i ≈ 0: the model moves by the noise only, std σζ/B per coordinate."""
-    zeros = UserData(torch.zeros(1, 2000), torch.zeros(1, dtype=torch.long))
-    task = Task(name="zeros", users=[zeros] * 40, eval_data=zeros, make_model=lambda: nn.Linear(2000, 50), num_classes=50)
+    zeros = (torch.zeros(1, 2000), torch.zeros(1, dtype=torch.long))
+    task = Task(name="zeros", users=Users.in_memory([zeros] * 40), model=lambda: nn.Linear(2000, 50),
+                loss=losses.classification)
     privacy = _privacy(noise_multiplier=3.0, clip_norm=0.5, rounds=1)
     torch.manual_seed(0)
-    before = ParamLayout.from_state_dict(dict(task.make_model().named_parameters()))
+    before = ParamLayout.from_state_dict(dict(task.build_model().named_parameters()))
     state, records = run(task, privacy, make_optimizer("dp-fedavg"), LocalTraining(lr=1e-30), seed=0)
     torch.manual_seed(0)
-    params0 = before.flatten({k: v.detach() for k, v in task.make_model().named_parameters()})
+    params0 = before.flatten({k: v.detach() for k, v in task.build_model().named_parameters()})
     moved = (state.params - params0).double()
     expected = 3.0 * 0.5 / 8
     assert abs(moved.std().item() / expected - 1) < 5 / math.sqrt(2 * moved.numel())
@@ -56,13 +64,14 @@ def test_fedavg_with_negligible_noise_adds_the_clipped_updates_over_B():
     training = LocalTraining(lr=0.5, batch_size=2)
     state, _ = run(task, privacy, make_optimizer("dp-fedavg"), training, seed=3)
     torch.manual_seed(3)
-    model = task.make_model()
+    model = task.build_model()
     layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
     params0 = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
     cohort = state.sampler.__class__(privacy, seed=3).next_cohort()
     total = torch.zeros_like(params0)
     for uid in cohort.tolist():
-        delta, _ = local_delta(model, layout, params0, task.users[uid], training, user_generator(3, 0, uid))
+        delta, _ = local_delta(model, layout, params0, task.users[uid], training, losses.classification,
+                               user_generator(3, 0, uid))
         total += clip_update(delta, 0.05).update
     torch.testing.assert_close(state.params, params0 + total / privacy.expected_cohort, atol=1e-6, rtol=0)
 
@@ -102,7 +111,7 @@ def test_every_optimizer_family_runs_through_the_engine():
 
 
 def test_population_mismatch_is_refused():
-    with pytest.raises(ValueError, match="num_users"):
+    with pytest.raises(ValueError, match="task has 40 users"):
         run(_task(num_users=40), _privacy(num_users=41), make_optimizer("dp-sgd"), LocalTraining(), seed=0)
 
 
@@ -115,16 +124,16 @@ def test_local_training_validation():
 def test_vectorized_engine_run_matches_the_sequential_one():
     task, privacy = _task(), _privacy(rounds=3)
     sequential, records_s = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
-                                seed=4, vectorized=False)
+                                seed=4, training="sequential")
     vectorized, records_v = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
-                                seed=4, vectorized=True)
+                                seed=4, training="vectorized")
     assert {r["vectorized"] for r in records_s} == {0.0} and {r["vectorized"] for r in records_v} == {1.0}
     torch.testing.assert_close(vectorized.params, sequential.params, rtol=1e-4, atol=1e-5)
     assert [r["epsilon"] for r in records_v] == [r["epsilon"] for r in records_s]
 
 
 def test_device_is_resolved_with_clear_errors():
-    from fed_dp.simulations.engine import resolve_device
+    from fed_dp.clients.training import resolve_device
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
@@ -138,15 +147,77 @@ def test_device_is_resolved_with_clear_errors():
 
 def test_evaluation_runs_in_eval_mode_and_restores_training_mode():
     """Dropout is off while evaluating (two evaluations agree exactly) and back on for local training."""
-    from fed_dp.simulations.engine import evaluate
+    from fed_dp.clients.evaluation import evaluate_params
 
     task = _task()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
     layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
     params = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
-    first, second = evaluate(model, layout, params, task), evaluate(model, layout, params, task)
+    first, second = (evaluate_params(model, layout, params, task.evaluate) for _ in range(2))
     assert first == second and model.training
+    x = torch.cat([task.users[i].fields[0] for i in range(task.num_users)])
+    y = torch.cat([task.users[i].fields[1] for i in range(task.num_users)])
     with torch.no_grad():
-        expected = nn.functional.cross_entropy(model.eval()(task.eval_data.x), task.eval_data.y)
+        expected = nn.functional.cross_entropy(model.eval()(x), y)
     assert first["eval_loss"] == pytest.approx(float(expected))
+
+
+def test_target_epsilon_is_calibrated_in_one_step_and_num_users_comes_from_the_task():
+    task = _task()
+    privacy = PrivacyConfig(expected_cohort=8, rounds=4, target_epsilon=2.0, delta=1e-4, accountant="rdp")
+    result = train(task, privacy, "dp-sgd", LocalTraining(), seed=0)
+    assert result.privacy.num_users == 40 and result.privacy.target_epsilon is None
+    assert result.epsilon == pytest.approx(epsilon(result.privacy, 4)) and result.epsilon <= 2.0
+    assert result.epsilon > 1.99  # the smallest σ that meets the target: ε is at the target, not far below
+    assert isinstance(result.model, nn.Linear)
+    torch.testing.assert_close(torch.cat([result.model.weight.reshape(-1), result.model.bias]), result.params)
+
+
+def test_checkpoint_resume_through_the_engine_reaches_the_uninterrupted_model(tmp_path):
+    task, privacy = _task(), _privacy(rounds=4)
+    straight = train(task, privacy, "dp-adam", LocalTraining(), seed=5)
+    partial = train(task, privacy.replace(rounds=4), "dp-adam", LocalTraining(), seed=5,
+                    checkpoint_dir=str(tmp_path), on_round=lambda r: None)
+    assert torch.equal(partial.params, straight.params)
+    # a second run with the same folder resumes at the end: nothing more is trained or accounted
+    again = train(task, privacy, "dp-adam", LocalTraining(), seed=5, checkpoint_dir=str(tmp_path))
+    assert torch.equal(again.params, straight.params) and len(again.records) == 4
+
+
+def test_bad_task_inputs_get_clear_errors():
+    task = _task()
+    with pytest.raises(ValueError, match="fed_dp.Task"):
+        train("not a task", _privacy(), "dp-sgd")
+    regression = Task(name="float-targets", users=Users.in_memory([(torch.randn(3, 6), torch.randn(3))] * 40),
+                      model=lambda: nn.Linear(6, 3), loss=losses.classification)
+    with pytest.raises(ValueError, match="regression target"):
+        train(regression, _privacy(), "dp-sgd", seed=0)
+    not_a_module = Task(name="x", users=task.users, model=lambda: "model", loss=losses.classification)
+    with pytest.raises(ValueError, match="not a torch.nn.Module"):
+        train(not_a_module, _privacy(), "dp-sgd", seed=0)
+
+
+def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_checkpoint_intact(tmp_path):
+    """The error comes before round 3 is released: the checkpoint still holds round 2, and a run resumed
+    from it (with a sane loss) continues the same ledger."""
+    from fed_dp.checkpoint import load_checkpoint
+
+    calls = {"n": 0}
+
+    def fragile(model, batch):
+        calls["n"] += 1
+        value = losses.classification(model, batch)
+        return value * float("nan") if calls["n"] > limit else value
+
+    task = _task()
+    good = train(task, _privacy(rounds=2), "dp-sgd", LocalTraining(), seed=1)
+    limit = sum(r["cohort_size"] for r in good.records) * 1  # batch 16 > 4 examples: one step per user and round
+    bad_task = Task(name="fragile", users=task.users, model=task.model, loss=fragile)
+    with pytest.raises(ValueError, match=r"loss of user \d+ became nan .*round 3"):
+        train(bad_task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))
+    saved = load_checkpoint(tmp_path)["state"]
+    assert saved["round"] == 2 and len(saved["ledger"]["records"]) == 2
+    resumed = train(task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))
+    assert [r["round"] for r in resumed.records] == [0, 1, 2, 3]
+    assert resumed.epsilon == pytest.approx(epsilon(_privacy(rounds=4), 4))

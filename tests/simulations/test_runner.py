@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fed_dp.accounting import epsilon
+from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.simulations.cli import main
 from fed_dp.simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
 
@@ -22,13 +22,17 @@ def _tiny(extra=()) -> dict:
     return apply_overrides(load_config(None), TINY + list(extra))
 
 
+def _privacy(config: dict, num_users: int = 16):
+    return resolve_privacy(parse_experiment(config).privacy, num_users)
+
+
 def test_default_config_is_a_valid_heavy_tail_comparison():
     config = load_config(None)
-    assert config["task"]["name"] == "heavy-tail"
+    assert config["task"]["ref"] == "heavy-tail"
     assert len(config["run"]["optimizers"]) >= 3
-    experiment = parse_experiment(config, num_users=config["task"]["users"])
-    assert experiment.calibrated_from == config["privacy"]["target-epsilon"]
-    assert epsilon(experiment.privacy) <= experiment.calibrated_from  # calibrated σ meets the target
+    experiment = parse_experiment(config)
+    assert experiment.privacy.target_epsilon == config["privacy"]["target-epsilon"]
+    assert epsilon(_privacy(config, config["task"]["users"])) <= experiment.privacy.target_epsilon  # σ meets it
 
 
 def test_overrides_parse_toml_values_and_reject_unknown_tables():
@@ -43,29 +47,36 @@ def test_overrides_parse_toml_values_and_reject_unknown_tables():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["privacy.num-users=5"], "task.users"),
-        (["privacy.noise-multiplier=1.0"], "not both"),
+        (["privacy.noise-multiplier=1.0"], "both set"),
         (['run.optimizers=["dp-lion"]'], "unknown optimizer"),
         (["optimizers.dp-sgd.lr=-1.0"], "lr"),
-        (["run.colour=1"], "unknown \\[run\\]"),
-        (['run.engine="fast"'], "run.engine"),
-        (["run.chunk-size=-2"], "chunk-size"),
-        (['run.device="tpu"'], "device"),
+        (["run.colour=1"], "unknown key.*run.colour"),
+        (['client.training="fast"'], "client.training"),
+        (["client.chunk-size=-2"], "chunk-size"),
+        (['client.device="tpu"'], "device"),
+        (['privacy.rounds="many"'], "privacy.rounds must be int"),
+        (['optimizer.name="dp-sgd"'], "optimizer.name or run.optimizers"),
+        (["adaptive.target-quantile=0.9"], "adaptive.enabled is false"),
     ]
-    + ([] if torch.cuda.is_available() else [(['run.device="cuda"'], "no CUDA device")]),
+    + ([] if torch.cuda.is_available() else [(['client.device="cuda"'], "no CUDA device")]),
 )
 def test_invalid_configs_fail_before_training(extra, message):
     config = _tiny(extra)
     with pytest.raises(ValueError, match=message):
-        parse_experiment(config, num_users=16)
+        parse_experiment(config)
 
 
-def test_run_table_chooses_the_engine_path_device_and_chunks():
-    experiment = parse_experiment(_tiny(['run.engine="vectorized"', 'run.device="cpu"', "run.chunk-size=4"]), 16)
-    assert (experiment.vectorized, experiment.device, experiment.chunk_size) == (True, "cpu", 4)
-    default = parse_experiment(_tiny(), 16)
+def test_population_given_in_the_config_must_be_the_tasks(tmp_path):
+    with pytest.raises(ValueError, match="task has 16 users"):
+        run_experiment(_tiny(["privacy.num-users=5"]), tmp_path, progress=False, log=lambda *_: None)
+
+
+def test_client_table_chooses_the_training_path_device_and_chunks():
+    client = parse_experiment(_tiny(['client.training="vectorized"', 'client.device="cpu"', "client.chunk-size=4"])).base.client
+    assert (client.vectorized, client.device, client.chunk_size) == (True, "cpu", 4)
+    default = parse_experiment(_tiny()).base.client
     assert (default.vectorized, default.device, default.chunk_size) == (None, "auto", None)
-    assert parse_experiment(_tiny(['run.engine="sequential"']), 16).vectorized is False
+    assert parse_experiment(_tiny(['client.training="sequential"'])).base.client.vectorized is False
 
 
 def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
@@ -73,15 +84,15 @@ def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
     rows = run_experiment(config, tmp_path, progress=False, log=lambda *_: None)
     assert [r["optimizer"] for r in rows] == ["dp-sgd", "dp-adambc"]
     results = read_results(tmp_path)
-    experiment = parse_experiment(config, num_users=16)
+    privacy = _privacy(config)
     for name, records in results.items():
         assert [r["round"] for r in records] == [0, 1, 2]
         for t, record in enumerate(records):
-            assert record["epsilon"] == pytest.approx(epsilon(experiment.privacy, t + 1))
+            assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1))
             assert {"group0_accuracy", "group1_accuracy", "eval_loss", "train_loss"} <= set(record)
     assert "nu_hat_median" in results["dp-adambc"][-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary[0]["epsilon"] == pytest.approx(epsilon(experiment.privacy))
+    assert summary[0]["epsilon"] == pytest.approx(epsilon(privacy))
     assert json.loads((tmp_path / "config.json").read_text())["resolved"]["num_users"] == 16
     table = format_table(rows)
     assert "dp-adambc" in table and "group1" in table
@@ -129,12 +140,11 @@ def _builtin_configs() -> list[str]:
 
 @pytest.mark.parametrize("name", _builtin_configs())
 def test_every_builtin_config_parses(name):
-    config = load_config(name)
-    experiment = parse_experiment(config, num_users=config["task"]["users"])
-    assert experiment.optimizers and experiment.privacy.rounds >= 1
+    experiment = parse_experiment(load_config(name))
+    assert experiment.runs and experiment.privacy.rounds >= 1
 
 
-SYNTHETIC = [n for n in _builtin_configs() if load_config(n)["task"]["name"] in ("heavy-tail", "sparse-logreg-1d")]
+SYNTHETIC = [n for n in _builtin_configs() if load_config(n)["task"]["ref"] in ("heavy-tail", "sparse-logreg-1d")]
 
 
 @pytest.mark.parametrize("name", SYNTHETIC)
@@ -143,7 +153,7 @@ def test_synthetic_builtin_configs_train_a_few_rounds(name, tmp_path, monkeypatc
     config = load_config(name)
     rounds = max(2, config["privacy"].get("bands", 1))  # BandMF needs T >= b
     shrink = [f"privacy.rounds={rounds}", "run.eval-every=1"]
-    if config["task"]["name"] == "heavy-tail":
+    if config["task"]["ref"] == "heavy-tail":
         shrink += ["task.groups=2", "task.largest=8", "task.users=16", "privacy.expected-cohort=2"]
     else:
         shrink += ["task.num-examples=40", "task.users=40", "privacy.expected-cohort=4"]
@@ -156,4 +166,4 @@ def test_adaptive_clipping_runs_through_the_runner(tmp_path):
                           progress=False, log=lambda *_: None)
     records = read_results(tmp_path)["dp-sgd"]
     assert all("next_clip_norm" in r for r in records) and records[0]["clip_norm"] == 1.0
-    assert rows[0]["epsilon"] == pytest.approx(epsilon(parse_experiment(_tiny(), num_users=16).privacy))
+    assert rows[0]["epsilon"] == pytest.approx(epsilon(_privacy(_tiny())))

@@ -1,4 +1,5 @@
-"""Task registry: every task builds from its data (local files in the real formats) into disjoint users."""
+"""Built-in tasks: every task builds from its data (local files in the real formats) into disjoint users, as
+an ordinary fed_dp.Task loaded by reference (task.ref)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from fed_dp.simulations.tasks import build_task, label_counts
+from fed_dp.clients.task import load_task
+from fed_dp.run_config import BUILTIN_TASKS
+from fed_dp.simulations.builtin_tasks import label_counts
 from fed_dp.simulations.synthetic import heavy_tail_class_sizes
+
+
+def build_task(name: str, **options):
+    return load_task(BUILTIN_TASKS.get(name, name), options)
+
+
+def _examples(task, field: int) -> torch.Tensor:
+    return torch.cat([task.users[i].fields[field] for i in range(task.num_users)])
 
 
 def _write_cifar(root, rows_per_batch: int = 20, seed: int = 0) -> None:
@@ -34,25 +45,40 @@ def _write_mnist(root, per_digit: int = 30, seed: int = 0) -> None:
 
 
 def _assert_users_partition(task, total: int) -> None:
-    assert task.num_users == len(task.users) and all(len(u) >= 1 for u in task.users)
-    assert sum(len(u) for u in task.users) == total
+    sizes = [len(task.users[i]) for i in range(task.num_users)]
+    assert task.num_users == len(task.users) and min(sizes) >= 1
+    assert sum(sizes) == total
 
 
 def test_heavy_tail_task_keeps_exact_class_sizes_and_groups():
     task = build_task("heavy-tail", groups=3, largest=8, users=12, seed=1)
     sizes = heavy_tail_class_sizes(groups=3, largest=8)
-    assert np.array_equal(label_counts(task), sizes.numpy())
+    assert np.array_equal(label_counts(task, 7), sizes.numpy())
     _assert_users_partition(task, int(sizes.sum()))
     assert task.class_groups.tolist() == [0, 1, 1, 2, 2, 2, 2]
-    assert len(task.eval_data) == int(sizes.sum())  # a memorization task: evaluated on its examples
+    # a memorization task: evaluated on its own examples — a model that predicts every label right scores 1
+    x, y = _examples(task, 0), _examples(task, 1)
+
+    class Oracle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, inputs):
+            rows = [int(torch.nonzero((x == row).all(dim=1))[0]) for row in inputs]
+            return torch.nn.functional.one_hot(y[rows], 7).float() * 10
+
+    metrics = task.evaluate(Oracle())
+    assert metrics["eval_accuracy"] == 1.0 and all(metrics[f"group{g}_accuracy"] == 1.0 for g in range(3))
 
 
 def test_cifar10_task_from_local_batches(tmp_path):
     _write_cifar(tmp_path)
     task = build_task("cifar10", root=str(tmp_path), users=10, partition="iid", seed=0)
     _assert_users_partition(task, 100)
-    assert len(task.eval_data) == 20 and task.users[0].x.shape[1:] == (3, 32, 32)
-    assert task.make_model()(task.users[0].x).shape[1] == 10
+    assert task.users[0].fields[0].shape[1:] == (3, 32, 32)
+    assert 0 <= task.evaluate(task.build_model())["eval_accuracy"] <= 1  # the 20 test images
+    assert task.build_model()(task.users[0].fields[0]).shape[1] == 10
 
 
 def test_barcode_mnist_task_from_local_idx_files(tmp_path):
@@ -60,10 +86,10 @@ def test_barcode_mnist_task_from_local_idx_files(tmp_path):
     task = build_task("barcode-mnist", root=str(tmp_path / "mnist"), users=8, groups=[[1, 12], [2, 3]],
                       eval_fraction=0.25, seed=0)
     # 10 plain digits × 12 examples + 20 barcoded classes × 3 examples = 180; a quarter held out
-    assert task.num_classes == 30 and task.class_groups.bincount().tolist() == [10, 20]
+    assert task.class_groups.bincount().tolist() == [10, 20]
     _assert_users_partition(task, 180 - 45)
-    assert len(task.eval_data) == 45
-    assert task.make_model()(task.users[0].x).shape[1] == 30
+    assert {"group0_accuracy", "group1_accuracy"} <= set(task.evaluate(task.build_model()))
+    assert task.build_model()(task.users[0].fields[0]).shape[1] == 30
 
 
 def test_missing_data_folder_says_what_to_put_where(tmp_path):
@@ -72,9 +98,11 @@ def test_missing_data_folder_says_what_to_put_where(tmp_path):
 
 
 def test_unknown_task_or_parameter_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown task"):
-        build_task("imagenet")
-    with pytest.raises(ValueError, match="heavy-tail"):
+    with pytest.raises(ValueError, match="does not import"):
+        build_task("no_such_package.tasks:imagenet")
+    with pytest.raises(ValueError, match="has no attribute"):
+        build_task("fed_dp.simulations.builtin_tasks:imagenet")
+    with pytest.raises(ValueError, match="does not take colour; it takes groups"):
         build_task("heavy-tail", colour=3)
 
 
@@ -84,25 +112,29 @@ def test_sparse_task_has_held_out_data_of_the_same_law():
     from fed_dp.simulations.synthetic import sparse_logistic_1d
 
     x_eval, y_eval = sparse_logistic_1d(num_examples=200, seed=4)  # held out: the next seed, same law
-    assert torch.equal(task.eval_data.x, x_eval) and torch.equal(task.eval_data.y, y_eval)
+    model = task.build_model()
+    with torch.no_grad():
+        model.linear.weight.fill_(0.7)
+        expected = torch.nn.functional.cross_entropy(model(x_eval), y_eval)
+    assert task.evaluate(model)["eval_loss"] == pytest.approx(float(expected))
     x_train, _ = sparse_logistic_1d(num_examples=200, seed=3)
-    assert sorted(torch.cat([u.x for u in task.users]).flatten().tolist()) == sorted(x_train.flatten().tolist())
+    assert sorted(_examples(task, 0).flatten().tolist()) == sorted(x_train.flatten().tolist())
 
 
 def test_w1_task_is_benchmarks_md_w1():
     """500 users × 32 CIFAR-shaped examples, user i's drawn from torch.Generator().manual_seed(i) (inputs,
     then labels), the 25,578-parameter CNN, no held-out data; the same users whatever N is."""
     task = build_task("w1")
-    assert task.num_users == 500 and all(len(u) == 32 for u in task.users)
-    assert sum(p.numel() for p in task.make_model().parameters()) == 25_578
-    assert len(task.eval_data) == 0
+    assert task.num_users == 500 and all(len(task.users[i]) == 32 for i in range(500))
+    assert sum(p.numel() for p in task.build_model().parameters()) == 25_578
+    assert task.evaluate is None
     for user in (0, 7, 499):
         generator = torch.Generator().manual_seed(user)
         x = torch.randn(32, 3, 32, 32, generator=generator)
         y = torch.randint(10, (32,), generator=generator)
-        assert torch.equal(task.users[user].x, x) and torch.equal(task.users[user].y, y)
+        assert torch.equal(task.users[user].fields[0], x) and torch.equal(task.users[user].fields[1], y)
     small = build_task("w1", users=8, examples=4)
-    assert torch.equal(small.users[7].x, task.users[7].x[:4])
-    assert not torch.equal(task.users[0].x, task.users[1].x)
+    assert torch.equal(small.users[7].fields[0], task.users[7].fields[0][:4])
+    assert not torch.equal(task.users[0].fields[0], task.users[1].fields[0])
     with pytest.raises(ValueError, match="users"):
         build_task("w1", users=0)

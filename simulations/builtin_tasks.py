@@ -1,6 +1,8 @@
-"""Task builders: the seed papers' datasets partitioned by user, with the model each paper used.
+"""The built-in tasks: the seed papers' datasets partitioned by user, with the model each paper used.
 
-    build_task(name="heavy-tail", users=..., partition="iid", ...)   → simulations.task.Task
+Each is an ordinary :class:`fed_dp.Task` (model factory, users, loss, evaluation), built by a factory that a run
+config names by its short name (``task.ref = "heavy-tail"``) or by reference
+(``fed_dp.simulations.builtin_tasks:heavy_tail_task``); every other ``[task]`` key is a keyword argument.
 
 | name | data | model | evaluated on |
 |---|---|---|---|
@@ -11,25 +13,26 @@
 | ``w1`` | BENCHMARKS.md W1: CIFAR-shaped noise, labels independent of inputs, seeded by user id (built in) | W1 CNN | nothing (a throughput workload) |
 
 Users: ``users`` = N; ``partition`` = ``iid`` | ``dirichlet`` (``alpha``) | ``power-law`` (``exponent``) |
-``natural-id`` (where the data has ids). Every example belongs to exactly one user.
+``natural-id`` (where the data has ids). Every example belongs to exactly one user. All use the
+classification loss (``fed_dp.losses.classification``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from fed_dp.clients import evaluation, losses
+from fed_dp.clients.task import Task, Users
 from fed_dp.simulations import datasets, models, synthetic
 from fed_dp.simulations.partitioning import partition
-from fed_dp.simulations.task import Task, UserData
 
 
-def _split_users(x: torch.Tensor, y: torch.Tensor, users: int, scheme: str, seed: int, **kw: Any) -> list[UserData]:
+def _split_users(x: torch.Tensor, y: torch.Tensor, users: int, scheme: str, seed: int, **kw: Any) -> Users:
     parts = [torch.from_numpy(idx.astype("int64", copy=True)) for idx in partition(y.numpy(), users, scheme, seed=seed, **kw)]
-    return [UserData(x[idx], y[idx]) for idx in parts]
+    return Users.in_memory([(x[idx], y[idx]) for idx in parts])
 
 
 def _partition_kwargs(partition_name: str, alpha: float | None, exponent: float | None) -> dict[str, Any]:
@@ -42,13 +45,15 @@ def _partition_kwargs(partition_name: str, alpha: float | None, exponent: float 
 
 
 def heavy_tail_task(
-    *, groups: int = 8, largest: int = 1024, dim: int | None = None, users: int | None = None,
+    *, groups: int = 3, largest: int = 16, dim: int | None = None, users: int | None = 40,
     partition: str = "iid", alpha: float | None = None, exponent: float | None = None, seed: int = 0,
 ) -> Task:
     """Seed 003 §3: G frequency groups, group k has 2^k classes of L/2^k examples; linear softmax model.
 
-    Default N (``users``) = n/2: two examples per user on average. The paper measures how fast each
-    frequency group's training examples are fit, so evaluation is on the training examples, per group.
+    The defaults are a small instance (48 examples, 7 classes, 40 users) that trains in seconds; the paper's
+    size is G = 8, L = 1024 (``simulations/configs/seed003-heavy-tail.toml``). ``users=None``: N = n/2. The
+    paper measures how fast each frequency group's training examples are fit, so evaluation is on the
+    training examples, per group.
     """
     x, y, class_groups = synthetic.heavy_tail_data(groups=groups, largest=largest, dim=dim, seed=seed)
     n, d = x.shape
@@ -57,9 +62,9 @@ def heavy_tail_task(
     return Task(
         name="heavy-tail",
         users=_split_users(x, y, users, partition, seed, **_partition_kwargs(partition, alpha, exponent)),
-        eval_data=UserData(x, y),
-        make_model=lambda: models.linear_softmax(d, num_classes),
-        num_classes=num_classes,
+        model=lambda: models.linear_softmax(d, num_classes),
+        loss=losses.classification,
+        evaluate=evaluation.classification((x, y), class_groups=class_groups),
         class_groups=class_groups,
         description=f"heavy-tail (seed 003 §3): G={groups}, L={largest}, n={n}, c={num_classes}, d={d}, "
                     f"N={users} users ({partition})",
@@ -78,9 +83,9 @@ def sparse_logreg_task(
     return Task(
         name="sparse-logreg-1d",
         users=_split_users(x, y, users, partition, seed),
-        eval_data=UserData(x_eval, y_eval),
-        make_model=models.logistic_1d,
-        num_classes=2,
+        model=models.logistic_1d,
+        loss=losses.classification,
+        evaluate=evaluation.classification((x_eval, y_eval)),
         description=f"sparse 1-D logistic regression: n={num_examples}, nonzero fraction {nonzero_fraction}, "
                     f"N={users} users ({partition})",
     )
@@ -96,9 +101,9 @@ def cifar10_task(
         name="cifar10",
         users=_split_users(train_x, train_y, users, partition, seed,
                            **_partition_kwargs(partition, alpha if partition == "dirichlet" else None, exponent)),
-        eval_data=UserData(test_x, test_y),
-        make_model=models.cifar_cnn,
-        num_classes=10,
+        model=models.cifar_cnn,
+        loss=losses.classification,
+        evaluate=evaluation.classification((test_x, test_y)),
         description=f"CIFAR-10 ({root}): {len(train_y)} train / {len(test_y)} test, N={users} users ({partition})",
     )
 
@@ -124,9 +129,9 @@ def barcode_mnist_task(
         name="barcode-mnist",
         users=_split_users(x[train_idx], y[train_idx], users, partition, seed,
                            **_partition_kwargs(partition, alpha, exponent)),
-        eval_data=UserData(x[eval_idx], y[eval_idx]),
-        make_model=lambda: models.barcode_cnn(num_classes),
-        num_classes=num_classes,
+        model=lambda: models.barcode_cnn(num_classes),
+        loss=losses.classification,
+        evaluate=evaluation.classification((x[eval_idx], y[eval_idx]), class_groups=class_groups),
         class_groups=class_groups,
         description=f"Barcode-MNIST ({root}): {len(train_idx)} train / {held} eval, c={num_classes}, "
                     f"N={users} users ({partition})",
@@ -139,36 +144,16 @@ def w1_task(*, users: int = 500, examples: int = 32) -> Task:
     of the inputs, so accuracy means nothing; the workload measures throughput."""
     if not (isinstance(users, int) and users >= 1):
         raise ValueError(f"w1: users must be an integer >= 1, got {users!r}")
-    data = [UserData(*synthetic.w1_user_data(u, examples)) for u in range(users)]
     return Task(
         name="w1",
-        users=data,
-        eval_data=UserData(torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.int64)),
-        make_model=models.w1_cnn,
-        num_classes=10,
+        users=Users.in_memory([synthetic.w1_user_data(u, examples) for u in range(users)]),
+        model=models.w1_cnn,
+        loss=losses.classification,
         description=f"W1 throughput workload (BENCHMARKS.md): N={users} users x {examples} synthetic CIFAR-shaped examples",
     )
 
 
-TASKS: dict[str, Callable[..., Task]] = {
-    "heavy-tail": heavy_tail_task,
-    "sparse-logreg-1d": sparse_logreg_task,
-    "cifar10": cifar10_task,
-    "barcode-mnist": barcode_mnist_task,
-    "w1": w1_task,
-}
-
-
-def build_task(name: str = "heavy-tail", **params: Any) -> Task:
-    """Build the named task; unknown names or parameters are errors that list the choices."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
-    try:
-        return TASKS[name](**params)
-    except TypeError as error:
-        raise ValueError(f"task {name!r}: {error}") from error
-
-
-def label_counts(task: Task) -> np.ndarray:
+def label_counts(task: Task, num_classes: int) -> np.ndarray:
     """Examples per class over all users (for reports and tests)."""
-    return np.bincount(torch.cat([u.y for u in task.users]).numpy(), minlength=task.num_classes)
+    labels = torch.cat([task.users[i].fields[1] for i in range(task.num_users)])
+    return np.bincount(labels.numpy(), minlength=num_classes)

@@ -1,0 +1,81 @@
+"""Ready losses ``loss(model, batch) -> scalar``: the mean loss of one user's minibatch.
+
+| loss | batch | model output | value |
+|---|---|---|---|
+| :func:`classification` | ``(inputs, labels)``, integer labels (b,) | logits (b, classes) | mean cross-entropy |
+| :func:`next_token` | ``(tokens,)`` integer (b, L) | logits (b, L − 1, vocabulary) for ``tokens[:, :-1]`` | mean cross-entropy of each next token |
+| :func:`regression` | ``(inputs, targets)``, floating-point targets | the targets' shape (or with a trailing 1) | mean squared error |
+
+Each checks what it can from shapes and dtypes and says what is wrong and what to use instead: a float target
+given to the classification loss (a regression target: use :func:`regression`), integer labels given to the
+regression loss, outputs that do not fit the targets. These checks use shapes and dtypes only, so the losses
+also run vectorized over users (``torch.func.vmap``). Write your own loss the same way: take ``(model,
+batch)``, call ``model(...)``, return a scalar tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fed_dp.clients.task import Batch
+
+__all__ = ["classification", "next_token", "regression"]
+
+
+def _pair(batch: Batch, loss: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict) or len(batch) != 2:
+        got = f"keys {list(batch)}" if isinstance(batch, dict) else f"{len(batch)} tensor(s)"
+        raise ValueError(f"the {loss} loss takes batches (inputs, targets): each user's examples must be a pair "
+                         f"of tensors; got {got}")
+    return batch[0], batch[1]
+
+
+def classification(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean cross-entropy of logits ``model(inputs)`` (batch, classes) against integer ``labels`` (batch,)."""
+    inputs, labels = _pair(batch, "classification")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"the classification loss got targets of dtype {labels.dtype}: class labels must be "
+                         "integers (torch.long). Floating-point targets are a regression target: use "
+                         "fed_dp.losses.regression (mean squared error)")
+    logits = model(inputs)
+    if logits.ndim != 2 or logits.shape[0] != labels.shape[0] or labels.ndim != 1:
+        raise ValueError(f"the model's outputs of shape {tuple(logits.shape)} do not fit the classification loss "
+                         f"with labels of shape {tuple(labels.shape)}: it needs logits (batch, classes) and labels "
+                         "(batch,)")
+    return F.cross_entropy(logits, labels)
+
+
+def next_token(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token language modelling: logits = ``model(tokens[:, :-1])`` of shape (b, L − 1, V), mean
+    cross-entropy against ``tokens[:, 1:]``. A batch is ``(tokens,)`` with integer tokens (b, L), L ≥ 2."""
+    if isinstance(batch, dict) or len(batch) != 1:
+        raise ValueError("the next-token loss takes batches (tokens,): each user's examples must be one integer "
+                         "tensor of token sequences (examples, sequence length)")
+    tokens = batch[0]
+    if tokens.dtype.is_floating_point or tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"the next-token loss needs integer tokens of shape (batch, length >= 2), got "
+                         f"{tuple(tokens.shape)} of dtype {tokens.dtype}")
+    logits = model(tokens[:, :-1])
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != (tokens.shape[0], tokens.shape[1] - 1):
+        raise ValueError(f"the model's outputs of shape {tuple(logits.shape)} do not fit the next-token loss: for "
+                         f"inputs of shape {tuple(tokens[:, :-1].shape)} it needs logits (batch, length, vocabulary)")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def regression(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean squared error of ``model(inputs)`` against floating-point ``targets`` of the same shape (an output
+    with one extra trailing dimension of size 1, as ``nn.Linear(k, 1)`` gives for targets (b,), is squeezed)."""
+    inputs, targets = _pair(batch, "regression")
+    if not targets.dtype.is_floating_point:
+        raise ValueError(f"the regression loss got targets of dtype {targets.dtype}: integer targets look like class "
+                         "labels; use fed_dp.losses.classification, or convert the targets to float")
+    outputs = model(inputs)
+    if outputs.shape != targets.shape and tuple(outputs.shape) == tuple(targets.shape) + (1,):
+        outputs = outputs.squeeze(-1)
+    if outputs.shape != targets.shape:
+        raise ValueError(f"the model's outputs of shape {tuple(outputs.shape)} do not fit targets of shape "
+                         f"{tuple(targets.shape)} (the regression loss compares them element by element; "
+                         "broadcasting them would silently compare every output with every target)")
+    return F.mse_loss(outputs, targets)

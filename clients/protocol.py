@@ -1,0 +1,216 @@
+"""The messages between fed-dp's server and its clients: the keys and the parse/reply pairs of both sides.
+
+QUERY, "which users do you host?" (once per node, before the first round):
+
+    server → node   {"fed-dp.query": ConfigRecord{"what": "users"}}
+    node → server   {"fed-dp.users": ConfigRecord{"users": [sampler indices 0..N−1]}}
+
+TRAIN, round t, to each node hosting sampled users:
+
+    server → node   {"fed-dp.model": ArrayRecord θ_{t−1} by parameter name,
+                     "fed-dp.scale": ArrayRecord{"scale": s_t} (scale-then-privatize only),
+                     "fed-dp.round": ConfigRecord{protocol, round, users, clip-norm, send-squares, send-clip-bits, seed},
+                     "config": ConfigRecord (the Strategy's train_config, for a user's own ClientApp)}
+    node → server   {"fed-dp.update": ArrayRecord{"total": Σ_i u_i, "squares": Σ_i u_i² (only when asked)},
+                     "fed-dp.reply": MetricRecord{count, scaled (1 if clipped as s_t ⊙ Δ), unclipped (only when asked)},
+                     "metrics": MetricRecord (training diagnostics; the server does not publish them)}
+
+A client answers with :func:`parse_train_request` and :func:`make_train_reply`; the second refuses a contribution
+that does not answer the request (no Σu² when they were asked for, no clip bits under adaptive clipping, not
+clipped in the s_t-scaled geometry when s_t was broadcast), so a custom ClientApp that forgets one fails
+loudly on its own node. The server reads replies with :func:`parse_train_reply`, which raises
+:class:`ReplyError` with the reason for anything it cannot count (error replies, missing records, wrong
+shapes, NaN/Inf, impossible counts); the server then counts that node's users as dropped and says why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fed_dp.round import Contribution, RoundPlan
+
+PROTOCOL = 1
+QUERY, USERS = "fed-dp.query", "fed-dp.users"
+MODEL, SCALE, ROUND, CONFIG = "fed-dp.model", "fed-dp.scale", "fed-dp.round", "config"
+UPDATE, REPLY, METRICS = "fed-dp.update", "fed-dp.reply", "metrics"
+
+__all__ = [
+    "ReplyError", "TrainRequest", "parse_train_reply", "parse_train_request", "parse_users_reply", "query_reply",
+    "train_message", "make_train_reply", "users_query",
+]
+
+
+class ReplyError(ValueError):
+    """A reply the server cannot count; the message says why."""
+
+
+# --- QUERY: which users a node hosts ---------------------------------------------------------------------------
+
+
+def users_query(node_id: int) -> Message:
+    """The server's question to one node."""
+    return Message(content=RecordDict({QUERY: ConfigRecord({"what": "users"})}), dst_node_id=node_id,
+                   message_type=MessageType.QUERY)
+
+
+def query_reply(msg: Message, users: Sequence[int]) -> Message:
+    """A node's answer: the sampler indices of the users it hosts."""
+    if QUERY not in msg.content:
+        raise ValueError("this QUERY is not fed-dp's user query (it has no 'fed-dp.query' record)")
+    return Message(content=RecordDict({USERS: ConfigRecord({"users": [int(u) for u in users]})}), reply_to=msg)
+
+
+def parse_users_reply(reply: Message, num_users: int) -> list[int]:
+    """The user indices of a node's answer; ReplyError for an error reply, a missing record or bad indices."""
+    if reply.has_error():
+        raise ReplyError(f"error reply ({reply.error.code}): {last_line(reply.error.reason)}")
+    if USERS not in reply.content:
+        raise ReplyError("its answer has no 'fed-dp.users' record; a ClientApp must answer fed-dp's user query with "
+                         "fed_dp.query_reply (an @app.query() handler)")
+    users = [int(u) for u in reply.content[USERS]["users"]]
+    outside = [u for u in users if not 0 <= u < num_users]
+    if outside:
+        raise ReplyError(f"it hosts users {outside[:5]} outside 0..{num_users - 1} (the population has N = "
+                         f"{num_users} users)")
+    return users
+
+
+# --- TRAIN ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What a node is asked in round ``round`` (0-based): train ``users`` from θ_{t−1} = ``params`` (by
+    parameter name), clip to ``clip_norm`` (as s_t ⊙ Δ when ``scale`` is given), and reply Σu, the count,
+    Σu² when ``send_squares`` and the number of unclipped users when ``send_clip_bits``."""
+
+    round: int
+    users: tuple[int, ...]
+    clip_norm: float
+    send_squares: bool
+    send_clip_bits: bool
+    seed: int
+    params: "OrderedDict[str, torch.Tensor]"
+    scale: torch.Tensor | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+def train_message(plan: RoundPlan, node_id: int, users: Sequence[int], params: Mapping[str, torch.Tensor],
+                  seed: int, config: Mapping[str, Any] | None = None) -> Message:
+    """The TRAIN message of round ``plan.round`` for one node hosting ``users`` of the cohort."""
+    content = {
+        MODEL: ArrayRecord(torch_state_dict=OrderedDict((k, v.detach().cpu()) for k, v in params.items())),
+        ROUND: ConfigRecord({"protocol": PROTOCOL, "round": plan.round, "users": [int(u) for u in users],
+                             "clip-norm": float(plan.clip_norm), "send-squares": plan.send_squares,
+                             "send-clip-bits": plan.send_clip_bits, "seed": int(seed)}),
+        CONFIG: ConfigRecord(dict(config or {})),
+    }
+    if plan.scale is not None:
+        content[SCALE] = ArrayRecord(torch_state_dict=OrderedDict(scale=plan.scale.detach().cpu()))
+    return Message(content=RecordDict(content), dst_node_id=node_id, message_type=MessageType.TRAIN,
+                   group_id=str(plan.round))
+
+
+def parse_train_request(msg: Message) -> TrainRequest:
+    """The request of a TRAIN message; ValueError if it is not fed-dp's (or of another protocol version)."""
+    missing = [key for key in (MODEL, ROUND) if key not in msg.content]
+    if missing:
+        raise ValueError(f"this TRAIN message is not fed-dp's: it lacks {missing}; it must come from "
+                         "fed_dp's Strategy (fed_dp.UserLevelDP)")
+    meta = msg.content[ROUND]
+    if int(meta["protocol"]) != PROTOCOL:
+        raise ValueError(f"the server speaks fed-dp protocol {meta['protocol']}, this client {PROTOCOL}: install the "
+                         "same fed-dp version on the server and every node")
+    scale = msg.content[SCALE].to_torch_state_dict()["scale"] if SCALE in msg.content else None
+    return TrainRequest(
+        round=int(meta["round"]), users=tuple(int(u) for u in meta["users"]), clip_norm=float(meta["clip-norm"]),
+        send_squares=bool(meta["send-squares"]), send_clip_bits=bool(meta["send-clip-bits"]), seed=int(meta["seed"]),
+        params=msg.content[MODEL].to_torch_state_dict(), scale=scale,
+        config=dict(msg.content[CONFIG]) if CONFIG in msg.content else {},
+    )
+
+
+def make_train_reply(msg: Message, request: TrainRequest, contribution: Contribution,
+                metrics: Mapping[str, float] | None = None) -> Message:
+    """A node's reply to ``request``; ValueError when ``contribution`` does not answer it (what is missing and
+    how to compute it)."""
+    if contribution.count > len(request.users) or contribution.count < 0:
+        raise ValueError(f"the contribution counts {contribution.count} users; {len(request.users)} were requested")
+    if request.send_squares and contribution.total_squares is None:
+        raise ValueError("the server asked for Σu² (independent moment estimation): compute the contribution with "
+                         "send_squares=request.send_squares")
+    if request.send_clip_bits and contribution.unclipped is None:
+        raise ValueError("the server runs adaptive clipping and needs the number of users whose update was not "
+                         "clipped (contribution.unclipped)")
+    if (request.scale is not None) != contribution.scaled:
+        raise ValueError("the server broadcast s_t (scale-then-privatize): clip s_t ⊙ Δ_i "
+                         "(fed_dp.clipping.clip_scaled with scale=request.scale)" if request.scale is not None else
+                         "the contribution says it was clipped in a scaled geometry, but no s_t was broadcast")
+    arrays = OrderedDict(total=contribution.total.detach().to("cpu", torch.float32))
+    if request.send_squares:
+        arrays["squares"] = contribution.total_squares.detach().to("cpu", torch.float32)
+    reply = {"count": int(contribution.count), "scaled": int(contribution.scaled)}
+    if request.send_clip_bits:
+        reply["unclipped"] = int(contribution.unclipped)
+    diagnostics = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return Message(content=RecordDict({UPDATE: ArrayRecord(torch_state_dict=arrays), REPLY: MetricRecord(reply),
+                                       METRICS: MetricRecord(diagnostics)}), reply_to=msg)
+
+
+def parse_train_reply(reply: Message, plan: RoundPlan, asked: int, dim: int, dtype: torch.dtype) -> Contribution:
+    """A node's reply as a Contribution to ``plan`` (``asked`` users were requested of it, d = ``dim``).
+
+    Raises ReplyError with the reason when it cannot be counted. Oversized sums are not an error here: the
+    round re-clips them (server-side enforcement of ζ)."""
+    node = reply.metadata.src_node_id
+    if reply.has_error():
+        raise ReplyError(f"error reply ({reply.error.code}): {last_line(reply.error.reason)}")
+    missing = [key for key in (UPDATE, REPLY) if key not in reply.content]
+    if missing:
+        raise ReplyError(f"the reply lacks {missing}; a ClientApp must answer with fed_dp.train_reply (or parse_train_request + make_train_reply)")
+    try:
+        arrays = reply.content[UPDATE].to_torch_state_dict()
+        meta = reply.content[REPLY]
+        count = meta["count"]
+    except Exception as error:  # a malformed record
+        raise ReplyError(f"unreadable reply ({type(error).__name__}: {error})") from None
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= asked:
+        raise ReplyError(f"reports {count!r} users but {asked} were asked of it")
+    total = _vector(arrays.get("total"), "total", dim, dtype)
+    squares = _vector(arrays.get("squares"), "squares", dim, dtype) if plan.send_squares else None
+    if squares is not None and bool((squares < 0).any()):
+        raise ReplyError("squares has negative entries")
+    unclipped = None
+    if plan.send_clip_bits:
+        unclipped = meta.get("unclipped")
+        if isinstance(unclipped, bool) or not isinstance(unclipped, int) or not 0 <= unclipped <= count:
+            raise ReplyError(f"clip-bit sum {unclipped!r} is not an integer in [0, count = {count}] (adaptive "
+                             "clipping needs it)")
+    scaled = bool(meta.get("scaled", 0))
+    if scaled != (plan.scale is not None):
+        raise ReplyError("it did not clip in the broadcast s_t geometry (scale-then-privatize)" if plan.scale is not None
+                         else "it says it clipped in a scaled geometry, but no s_t was broadcast")
+    return Contribution(total, count, squares, source=f"node {node}", unclipped=unclipped, scaled=scaled)
+
+
+def _vector(value: Any, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ReplyError(f"{name} is missing")
+    if not value.dtype.is_floating_point:
+        raise ReplyError(f"{name} has dtype {value.dtype}, expected a floating-point vector")
+    if tuple(value.shape) != (dim,):
+        raise ReplyError(f"{name} has shape {tuple(value.shape)}, expected ({dim},)")
+    if not bool(torch.isfinite(value).all()):
+        raise ReplyError(f"{name} contains NaN or Inf")
+    return value.to(dtype)
+
+
+def last_line(text: str | None) -> str:
+    return text.strip().splitlines()[-1] if text and text.strip() else ""

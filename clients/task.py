@@ -1,0 +1,331 @@
+"""The task a user brings: a model factory, per-user data loaded on demand, a loss, and an optional evaluation.
+
+    task = Task(
+        model=lambda: MyNet(),                               # a fresh torch.nn.Module
+        users=Users.split((x, y), user_of_example),          # or Users(ids, load) / Users.from_mapping / in_memory
+        loss=losses.classification,                          # (model, batch) -> scalar tensor
+        evaluate=evaluation.classification((x_test, y_test)),  # optional: (model) -> {"name": number}
+    )
+
+Users and their ids. The samplers draw *indices* 0 .. N−1; ``users.ids[i]`` is the user behind index i (any
+hashable: an int, an author's name, a file name) and ``users[i]`` loads that user's examples. Only the
+users sampled in a round are loaded, one at a time (or a chunk at a time), so a population of 100,000 users
+whose data sits on disk never has to fit in memory. :meth:`Users.in_memory` and :meth:`Users.split` hold
+every user's tensors up front: the fast special case for data that fits.
+
+Examples and batches. A user's examples are tensors that share their first dimension n: a tuple
+``(inputs, targets)`` (or any number of tensors), or a dict of tensors. A minibatch has the same structure
+with n replaced by the batch size, and it is what the loss receives. A ``torch.utils.data.Dataset`` of
+one user is read in full and collated with ``torch.utils.data.default_collate``.
+
+Everything here fails early and says what to do: a loader that returns nothing usable, a user without
+examples, a factory that does not return a ``torch.nn.Module``, a task reference that does not import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from fed_dp.flat import ParamLayout
+
+Batch = Union[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
+Loss = Callable[[nn.Module, Batch], torch.Tensor]
+Evaluation = Callable[[nn.Module], Mapping[str, float]]
+
+__all__ = ["Batch", "Evaluation", "Examples", "Loss", "Task", "Users", "build_task", "initial_model", "load_task"]
+
+
+def _tensor(value: Any, where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    raise ValueError(f"{where} is a {type(value).__name__}; examples must be torch tensors or numpy arrays")
+
+
+@dataclass(frozen=True)
+class Examples:
+    """One user's examples: tensors sharing their first dimension n, as a tuple or (with ``keys``) a dict."""
+
+    fields: tuple[torch.Tensor, ...]
+    keys: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            raise ValueError("a user's examples need at least one tensor")
+        sizes = {int(t.shape[0]) if t.ndim else -1 for t in self.fields}
+        if len(sizes) != 1 or -1 in sizes:
+            shapes = [tuple(t.shape) for t in self.fields]
+            raise ValueError(f"the tensors of a user's examples must share their first dimension (the examples); "
+                             f"got shapes {shapes}")
+        if self.keys is not None and len(self.keys) != len(self.fields):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.fields)} tensors")
+
+    @classmethod
+    def of(cls, data: Any, *, user: Hashable = "?") -> "Examples":
+        """``data`` as Examples: Examples, a tuple/list of tensors or arrays, a dict of them, one tensor, or a
+        ``torch.utils.data.Dataset`` of the user (read in full and collated)."""
+        where = f"the data of user {user!r}"
+        if isinstance(data, Examples):
+            return data
+        if isinstance(data, (torch.Tensor, np.ndarray)):
+            return cls((_tensor(data, where),))
+        if isinstance(data, Mapping):
+            return cls(tuple(_tensor(v, f"{where}[{k!r}]") for k, v in data.items()), tuple(str(k) for k in data))
+        if isinstance(data, (tuple, list)):
+            return cls(tuple(_tensor(v, f"{where}[{i}]") for i, v in enumerate(data)))
+        if isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__"):
+            items = [data[i] for i in range(len(data))]
+            if not items:
+                raise ValueError(f"user {user!r} has no examples (its Dataset is empty); every user of the "
+                                 "population needs at least one, or leave the user out of the population")
+            return cls.of(torch.utils.data.default_collate(items), user=user)
+        raise ValueError(f"{where} is a {type(data).__name__}; give a tuple of tensors (inputs, targets), a dict "
+                         "of tensors, one tensor, or a torch.utils.data.Dataset of that user's examples")
+
+    def __len__(self) -> int:
+        return int(self.fields[0].shape[0])
+
+    def structure(self, tensors: Sequence[torch.Tensor]) -> Batch:
+        """``tensors`` (one per field) in this structure: a tuple, or a dict with these keys."""
+        return dict(zip(self.keys, tensors)) if self.keys is not None else tuple(tensors)
+
+    def select(self, index: torch.Tensor | slice) -> Batch:
+        """The minibatch of the examples at ``index``."""
+        return self.structure([t[index] for t in self.fields])
+
+    def head(self, count: int) -> "Examples":
+        """The first ``count`` examples (the example cap of local training)."""
+        return self if count >= len(self) else Examples(tuple(t[:count] for t in self.fields), self.keys)
+
+    def to(self, device: torch.device | str, memory_format: torch.memory_format = torch.contiguous_format) -> "Examples":
+        """On ``device``; 4-D floating-point tensors (image batches) in ``memory_format``."""
+        moved = []
+        for t in self.fields:
+            if t.ndim == 4 and t.dtype.is_floating_point:
+                moved.append(t.to(device, memory_format=memory_format))
+            else:
+                moved.append(t.to(device))
+        return Examples(tuple(moved), self.keys)
+
+
+class Users:
+    """A population of N users: ``ids[i]`` names the user behind sampler index i, ``users[i]`` loads it.
+
+    ``load(user_id)`` may return anything :meth:`Examples.of` takes. The population is fixed when the task is
+    built (its size N drives the sampler and the accounting); loading happens when a user is sampled.
+    """
+
+    def __init__(self, ids: Sequence[Hashable] | int, load: Callable[[Any], Any]) -> None:
+        ids = tuple(range(ids)) if isinstance(ids, int) and not isinstance(ids, bool) else tuple(ids)
+        if not ids:
+            raise ValueError("a population needs at least one user")
+        if len(set(ids)) != len(ids):
+            raise ValueError("user ids must be distinct")
+        if not callable(load):
+            raise ValueError(f"load must be a callable user id -> examples, got {type(load).__name__}")
+        self._ids = ids
+        self._load = load
+        self._examples: tuple[Examples, ...] | None = None
+
+    # --- constructors ----------------------------------------------------------------------------------------
+    @classmethod
+    def in_memory(cls, per_user: Sequence[Any], ids: Sequence[Hashable] | None = None) -> "Users":
+        """Every user's examples held in memory (converted and checked now): the fast special case."""
+        ids = tuple(range(len(per_user))) if ids is None else tuple(ids)
+        if len(ids) != len(per_user):
+            raise ValueError(f"{len(ids)} ids for {len(per_user)} users")
+        examples = tuple(Examples.of(data, user=uid) for uid, data in zip(ids, per_user))
+        for uid, ex in zip(ids, examples):
+            _require_examples(ex, uid)
+        users = cls(ids, dict(zip(ids, examples)).__getitem__)
+        users._examples = examples
+        return users
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[Hashable, Any]) -> "Users":
+        """Users = the keys of ``mapping`` (in its order), loaded with ``mapping[user_id]`` when sampled (a
+        mapping may itself load lazily, e.g. a dict of per-user Datasets that read from disk)."""
+        return cls(tuple(mapping.keys()), mapping.__getitem__)
+
+    @classmethod
+    def split(cls, data: Any, user_of_example: Sequence[Hashable] | np.ndarray | torch.Tensor) -> "Users":
+        """Partition example-level tensors by a user column: ``user_of_example[j]`` owns example j.
+
+        Users are the distinct values, in sorted order; each keeps its examples in their original order."""
+        examples = Examples.of(data, user="(all)")
+        owner = np.asarray(user_of_example.cpu() if isinstance(user_of_example, torch.Tensor) else user_of_example)
+        if owner.shape != (len(examples),):
+            raise ValueError(f"user_of_example has shape {owner.shape}, but there are {len(examples)} examples")
+        ids = sorted(set(owner.tolist()))
+        per_user = [examples.structure([t[torch.from_numpy(np.flatnonzero(owner == uid))] for t in examples.fields])
+                    for uid in ids]
+        return cls.in_memory(per_user, ids)
+
+    # --- access ----------------------------------------------------------------------------------------------
+    @property
+    def ids(self) -> tuple[Hashable, ...]:
+        return self._ids
+
+    @property
+    def num_users(self) -> int:
+        return len(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def in_memory_examples(self) -> tuple[Examples, ...] | None:
+        """Every user's examples when they are held in memory, else None."""
+        return self._examples
+
+    def __getitem__(self, index: int) -> Examples:
+        """The examples of the user at sampler index ``index`` (loaded now, for lazy populations)."""
+        if not 0 <= index < len(self._ids):
+            raise IndexError(f"user index {index} is outside 0..{len(self._ids) - 1}")
+        if self._examples is not None:
+            return self._examples[index]
+        uid = self._ids[index]
+        try:
+            data = self._load(uid)
+        except Exception as error:
+            raise ValueError(f"loading the examples of user {uid!r} failed: {type(error).__name__}: {error}") from error
+        return _require_examples(Examples.of(data, user=uid), uid)
+
+    def to(self, device: torch.device | str, memory_format: torch.memory_format = torch.contiguous_format) -> "Users":
+        """The same population with examples on ``device``: moved once for in-memory users, after loading
+        for lazy ones."""
+        if self._examples is not None:
+            moved = Users(self._ids, self._load)
+            moved._examples = tuple(ex.to(device, memory_format) for ex in self._examples)
+            return moved
+        return Users(self._ids, lambda uid: Examples.of(self._load(uid), user=uid).to(device, memory_format))
+
+
+def _require_examples(examples: Examples, user: Hashable) -> Examples:
+    if len(examples) == 0:
+        raise ValueError(f"user {user!r} has no examples; every user of the population needs at least one "
+                         "(leave users without data out of the population)")
+    return examples
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """What to train, on whose data, with which loss (see the module docstring).
+
+    model: a factory returning a fresh ``torch.nn.Module`` (seeded by the caller); every engine calls it.
+    users: the population (:class:`Users`).
+    loss: ``loss(model, batch) -> scalar tensor``, the mean loss of a minibatch (``fed_dp.losses`` has
+        classification, next-token and regression losses). It must call the model as ``model(...)``: the
+        vectorized path hands it a functional view of the model.
+    evaluate: optional ``evaluate(model) -> {metric: number}`` on held-out data, run on the server with the
+        current global model (in eval mode, without gradients); ``fed_dp.evaluation`` builds common ones.
+    class_groups: optional (num_classes,) int tensor of class frequency groups (seed 003), for reports.
+    """
+
+    model: Callable[[], nn.Module]
+    users: Users
+    loss: Loss
+    evaluate: Evaluation | None = None
+    name: str = "task"
+    description: str = ""
+    class_groups: torch.Tensor | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not callable(self.model):
+            raise ValueError(f"Task.model must be a factory (a callable returning a torch.nn.Module), got "
+                             f"{type(self.model).__name__}; pass the class or a lambda, not an instance")
+        if isinstance(self.model, nn.Module):
+            raise ValueError("Task.model must be a factory returning a fresh torch.nn.Module, not a module "
+                             "instance: pass e.g. `model=MyNet` or `model=lambda: MyNet(...)`")
+        if not isinstance(self.users, Users):
+            raise ValueError(f"Task.users must be a fed_dp.Users, got {type(self.users).__name__}; wrap your data "
+                             "with Users.in_memory(...), Users.split(...), Users.from_mapping(...) or Users(ids, load)")
+        if not callable(self.loss):
+            raise ValueError(f"Task.loss must be a callable (model, batch) -> scalar tensor, got {self.loss!r}")
+        if self.evaluate is not None and not callable(self.evaluate):
+            raise ValueError(f"Task.evaluate must be None or a callable model -> metrics, got {self.evaluate!r}")
+
+    @property
+    def num_users(self) -> int:
+        return self.users.num_users
+
+    def build_model(self) -> nn.Module:
+        """A fresh model from the factory, checked: a ``torch.nn.Module`` with floating-point parameters."""
+        model = self.model()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"the model factory of task {self.name!r} returned a {type(model).__name__}, not a "
+                             "torch.nn.Module")
+        parameters = list(model.parameters())
+        if not parameters:
+            raise ValueError(f"the model of task {self.name!r} has no parameters to train")
+        bad = [name for name, p in model.named_parameters() if not p.dtype.is_floating_point]
+        if bad:
+            raise ValueError(f"model parameters {bad} are not floating point; they cannot be trained by SGD")
+        return model
+
+
+def load_task(target: str, options: Mapping[str, Any] | None = None) -> Task:
+    """Import ``package.module:factory`` and call it with ``options``; the result must be a :class:`Task`.
+
+    Errors say what went wrong: a module that does not import (with the import error), a missing factory,
+    keyword arguments the factory does not take (listing those it takes), a factory that fails or returns
+    something else than a Task.
+    """
+    options = dict(options or {})
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"task reference {target!r} must look like 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"task reference {target!r}: module {module_name!r} does not import ({error}); is it "
+                         "installed, or on PYTHONPATH (for Flower: inside the app folder or installed on every "
+                         "machine)?") from error
+    factory = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"task reference {target!r}: {module_name} has no attribute {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"task reference {target!r} names a {type(factory).__name__}, not a function")
+    parameters = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = sorted(set(options) - set(parameters)) if not takes_any else []
+    if unknown:
+        raise ValueError(f"task {target!r} does not take {', '.join(k.replace('_', '-') for k in unknown)}; it "
+                         f"takes {', '.join(k.replace('_', '-') for k in parameters) or 'no options'}")
+    task = factory(**options)
+    if not isinstance(task, Task):
+        raise ValueError(f"task factory {target!r} returned a {type(task).__name__}; it must return a fed_dp.Task")
+    return task
+
+
+def build_task(settings: Any, node_root: str | None = None) -> Task:
+    """The task of a run config's ``[task]`` section (``fed_dp.run_config.TaskSettings``): its factory called with
+    its options, and ``root`` = the node's own data folder (a SuperNode's ``data-root``) or ``task.root``."""
+    options = dict(settings.options)
+    root = node_root or settings.root
+    if root:
+        options["root"] = str(root)
+    return load_task(settings.target, options)
+
+
+def initial_model(task: Task, seed: int) -> tuple[nn.Module, ParamLayout, torch.Tensor]:
+    """θ_0 of a run: the task's model built with the global torch RNG seeded to ``seed`` (and restored
+    afterwards), its layout and its flat parameters. Every engine starts from this for a given seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = task.build_model()
+    named = {k: v.detach() for k, v in model.named_parameters()}
+    layout = ParamLayout.from_state_dict(named)
+    return model, layout, layout.flatten(named)

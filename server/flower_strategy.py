@@ -1,0 +1,317 @@
+"""fed-dp's server as a Flower Strategy: user-level DP rounds inside any ServerApp, as ``FedAvg`` is used.
+
+    strategy = UserLevelDP(PrivacyConfig(num_users=100, expected_cohort=10, rounds=50, target_epsilon=3.0,
+                                         delta=1e-5), optimizer="dp-adambc", checkpoint_dir="/abs/path/ckpt")
+    result = strategy.start(grid=grid, initial_arrays=model_arrays(model), evaluate_fn=centralized_evaluation(task))
+    print(result.epsilon)                                       # user-level ε spent, at result.delta
+
+Each round (ALGORITHMS §1) runs through ``fed_dp.round`` in the one round loop (``fed_dp.server.round_loop``):
+fed-dp's sampler picks users (not Flower's node sampling: one node may host many users), every node hosting
+sampled users gets one TRAIN message (``fed_dp.clients.protocol``), replies are read and validated, re-clipped
+to ζ per user, summed without weights, noised, divided by the fixed B, and the server optimizer steps; the
+ledger refuses rounds over the ε budget; with a checkpoint folder every round is saved atomically and a new
+run resumes there. The Flower methods ``configure_train`` / ``aggregate_train`` are the same steps one round at a
+time, for callers that drive rounds themselves; ``start`` runs them all with checkpoints, the budget and the
+stop after ``max_empty_rounds`` rounds without any counted user.
+
+Clients answer with ``fed_dp.query_reply`` (which users a node hosts) and ``fed_dp.train_reply``
+(the clipped sum of its sampled users). Federated evaluation on users' data would be outside the privacy
+guarantee: this strategy evaluates centrally (``evaluate_fn``) and sends no EVALUATE messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from torch import nn
+
+from fed_dp.accounting import resolve_privacy
+from fed_dp.adaptive_clipping import AdaptiveClipConfig
+from fed_dp.checkpoint import CHECKPOINT_NAME
+from fed_dp.clients import protocol
+from fed_dp.clients.evaluation import evaluate_params
+from fed_dp.clients.task import Task
+from fed_dp.config import PrivacyConfig
+from fed_dp.context import in_simulation
+from fed_dp.flat import ParamLayout
+from fed_dp.optimizers import ServerOptimizer, make_optimizer
+from fed_dp.round import RoundPlan, ServerState, begin_round, finish_round, init_server
+from fed_dp.server.membership import discover_users, wait_for_nodes
+from fed_dp.server.round_loop import RoundReplies, run_rounds
+
+log = logging.getLogger("fed_dp.server")
+
+__all__ = ["DPResult", "UserLevelDP", "centralized_evaluation", "configure_logging", "model_arrays"]
+
+
+def configure_logging() -> None:
+    """Print fed-dp's own messages (rounds, ε, dropped users) on stderr at INFO, unless the application has
+    configured the ``fed_dp`` logger itself (a level or a handler): then its settings stay. The messages do not
+    propagate to the root logger, whose level is left alone (at INFO, httpx would log every request, including
+    the ServerApp's own log uploads, endlessly), and are printed once even when Flower configures root later."""
+    logger = logging.getLogger("fed_dp")
+    if logger.level == logging.NOTSET and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def model_arrays(model: nn.Module) -> ArrayRecord:
+    """The initial arrays of a model for :meth:`UserLevelDP.start`: its named parameters (what users train)."""
+    return ArrayRecord(torch_state_dict=OrderedDict((k, v.detach().cpu()) for k, v in model.named_parameters()))
+
+
+def centralized_evaluation(task: Task) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+    """Flower's ``evaluate_fn`` for a task: the global model evaluated with ``task.evaluate`` on the server
+    (None when the task has no evaluation). The model is built once."""
+    if task.evaluate is None:
+        return lambda server_round, arrays: None
+    model = task.build_model()
+    layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        params = layout.flatten(dict(arrays.to_torch_state_dict()))
+        return MetricRecord(evaluate_params(model, layout, params, task.evaluate))
+
+    return evaluate
+
+
+@dataclass
+class DPResult(Result):
+    """Flower's Result plus the privacy of the run: ε spent at δ (``"not private"`` for simulation-only
+    baselines), the resolved privacy config (σ after calibration), every round's record, and why the run
+    stopped early (the ε budget), if it did."""
+
+    epsilon: float | str = 0.0
+    delta: float = 0.0
+    privacy: PrivacyConfig | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    stopped: str | None = None
+
+
+def _numeric(metrics: dict[str, Any]) -> MetricRecord:
+    return MetricRecord({k: float(v) for k, v in metrics.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+
+class UserLevelDP(Strategy):
+    """User-level DP federated training as a Flower Strategy (see the module docstring).
+
+    privacy: the mechanism; ``num_users`` (the population the nodes host, user indices 0..N−1) must be set;
+        ``target_epsilon`` instead of ``noise_multiplier`` calibrates σ when the run starts.
+    optimizer: a server optimizer or its name (``fed_dp.optimizers.OPTIMIZERS``).
+    adaptive_clipping: optional adaptive clipping (independent noise only).
+    seed: None (real runs: sampler, noise and local-training seeds from OS entropy) or an int for a
+        reproducible research run (logged as such).
+    checkpoint_dir: folder for ``checkpoint.pt`` (every round) and ``results.json``; resumes from it.
+    evaluate_every: centralized evaluation every k rounds and after the last (0: never).
+    max_empty_rounds: stop with an error after this many rounds in a row without any counted user.
+    min_nodes, node_wait: wait for this many nodes, at most this many seconds, before the first round.
+    on_round: called with each round's record.
+    """
+
+    def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = "dp-adam", *,
+                 adaptive_clipping: AdaptiveClipConfig | None = None, seed: int | None = None,
+                 checkpoint_dir: str | None = None, evaluate_every: int = 1, max_empty_rounds: int = 2,
+                 min_nodes: int = 1, node_wait: float = 60.0,
+                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        super().__init__()
+        if not isinstance(privacy, PrivacyConfig):
+            raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
+        if privacy.num_users is None:
+            raise ValueError("PrivacyConfig.num_users must be set for a Flower run: the size N of the population "
+                             "the nodes host (user indices 0..N-1); the sampler and the accounting need it")
+        self.optimizer = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+        if not isinstance(self.optimizer, ServerOptimizer):
+            raise ValueError(f"optimizer must be a name or a fed_dp ServerOptimizer, got {type(optimizer).__name__}")
+        if not self.optimizer.private and not in_simulation():
+            raise ValueError("this optimizer is not private (a noiseless baseline); it exists only in simulations")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+        for name, value in (("evaluate_every", evaluate_every), ("max_empty_rounds", max_empty_rounds - 1),
+                            ("min_nodes", min_nodes - 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'evaluate_every' else 1}")
+        self.privacy, self.adaptive_clipping, self.seed = privacy, adaptive_clipping, seed
+        self.checkpoint_dir, self.evaluate_every, self.max_empty_rounds = checkpoint_dir, evaluate_every, max_empty_rounds
+        self.min_nodes, self.node_wait, self.on_round = min_nodes, node_wait, on_round
+        self.state: ServerState | None = None
+        self.layout: ParamLayout | None = None
+        self.owner: dict[int, int] | None = None
+        self.client_seed = seed if seed is not None else secrets.randbits(62)
+        self._pending: tuple[RoundPlan, list[Message], dict[int, int], list[str]] | None = None
+
+    # --- set-up ------------------------------------------------------------------------------------------------
+    def _initialize(self, arrays: ArrayRecord) -> None:
+        """Layout and θ_0 from the initial arrays, σ calibrated if asked, the fed_dp server state built."""
+        named = arrays.to_torch_state_dict()
+        bad = [k for k, v in named.items() if not v.dtype.is_floating_point]
+        if bad:
+            raise ValueError(f"initial arrays {bad} are not floating point: pass the model's named parameters "
+                             "(fed_dp.model_arrays(model)), not its state_dict with integer buffers")
+        self.layout = ParamLayout.from_state_dict(named)
+        privacy = resolve_privacy(self.privacy)
+        if privacy is not self.privacy and self.privacy.target_epsilon is not None:
+            log.info("sigma = %.6f calibrated for user-level epsilon %g at delta %g (%s)", privacy.noise_multiplier,
+                     self.privacy.target_epsilon, privacy.delta, privacy.accountant)
+        self.state = init_server(privacy, self.optimizer, self.layout.flatten(named), seed=self.seed,
+                                 adaptive_clipping=self.adaptive_clipping)
+
+    def _ensure_users(self, grid: Grid, timeout: float) -> None:
+        if self.owner is None:
+            nodes = wait_for_nodes(grid, self.min_nodes, self.node_wait)
+            self.owner = discover_users(grid, nodes, self.state.config.num_users, timeout)
+            log.info("%d SuperNode(s) host %d of the %d users", len(nodes), len(self.owner), self.state.config.num_users)
+
+    def arrays(self, params: torch.Tensor) -> ArrayRecord:
+        """A flat θ as the ArrayRecord of named tensors the nodes receive."""
+        return ArrayRecord(torch_state_dict=OrderedDict((k, v.cpu()) for k, v in self.layout.unflatten(params).items()))
+
+    # --- one round: messages out, replies in ---------------------------------------------------------------
+    def _messages(self, plan: RoundPlan, config: ConfigRecord | None) -> tuple[list[Message], dict[int, int], list[str]]:
+        """TRAIN messages to the nodes hosting sampled users; also users asked per node and unreachable users."""
+        by_node: dict[int, list[int]] = defaultdict(list)
+        unreachable = 0
+        for user in plan.cohort.tolist():
+            if user in self.owner:
+                by_node[self.owner[user]].append(user)
+            else:
+                unreachable += 1
+        named = self.layout.unflatten(plan.params)
+        messages = [protocol.train_message(plan, node, users, named, self.client_seed, dict(config or {}))
+                    for node, users in sorted(by_node.items())]
+        dropped = [f"{unreachable} sampled user(s) are on no connected node"] if unreachable else []
+        return messages, {node: len(users) for node, users in by_node.items()}, dropped
+
+    def _replies(self, plan: RoundPlan, messages: list[Message], replies: Iterable[Message], asked: dict[int, int],
+                 dropped: list[str]) -> RoundReplies:
+        """Replies → contributions; every node that asked users but is not counted is named with the reason.
+
+        A reply belongs to the node its message went to (Flower answers for an unreachable node with an error
+        reply from the SuperLink, so the reply's own source is not the node)."""
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+        contributions, problems, answered = [], list(dropped), set()
+        for reply in replies:
+            node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            if node not in asked or node in answered:
+                if reply.has_error() and not reply.metadata.reply_to_message_id:  # Flower's, for no message of ours
+                    problems.append(f"SuperLink: error reply ({reply.error.code}) not tied to a node: "
+                                    f"{protocol.last_line(reply.error.reason)}")
+                else:
+                    problems.append(f"node {node}: an unexpected reply (not asked this round, or a second one)")
+                continue
+            answered.add(node)
+            try:
+                contributions.append(protocol.parse_train_reply(reply, plan, asked[node], self.layout.size,
+                                                                self.state.params.dtype))
+            except protocol.ReplyError as error:
+                problems.append(f"node {node}: {error} ({asked[node]} sampled user(s) dropped)")
+        for node in sorted(set(asked) - answered):
+            problems.append(f"node {node}: no reply in time ({asked[node]} sampled user(s) dropped)")
+        return RoundReplies(contributions, problems)
+
+    # --- Flower's Strategy interface ---------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Round ``server_round`` (1-based): refuse it if over budget, sample users, one message per node."""
+        if self.state is None:
+            self._initialize(arrays)
+        self._ensure_users(grid, timeout=120.0)
+        if server_round != self.state.round + 1:
+            raise ValueError(f"configure_train for round {server_round}, but the server is at round {self.state.round + 1}")
+        plan = begin_round(self.state)
+        messages, asked, dropped = self._messages(plan, config)
+        self._pending = (plan, messages, asked, dropped)
+        return messages
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate, re-clip, sum, noise, average over B, step the optimizer, account."""
+        if self._pending is None or self._pending[0].round + 1 != server_round:
+            raise ValueError(f"aggregate_train for round {server_round} without configure_train for it")
+        plan, messages, asked, dropped = self._pending
+        self._pending = None
+        received = self._replies(plan, messages, replies, asked, dropped)
+        self.state, metrics = finish_round(self.state, plan, received.contributions)
+        return self.arrays(self.state.params), _numeric(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """No federated evaluation: it would read users' data outside the privacy guarantee."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        config = self.state.config if self.state is not None else self.privacy
+        sigma = f"{config.noise_multiplier:.4f}" if config.noise_multiplier else f"for target epsilon {config.target_epsilon}"
+        log.info("UserLevelDP: N = %s, B = %d, T = %d, sigma %s, clip %g, sampler %s, noise %s, accountant %s, "
+                 "optimizer %r; %s", config.num_users, config.expected_cohort, config.rounds, sigma, config.clip_norm,
+                 config.sampler, config.noise, config.accountant, self.optimizer,
+                 f"explicit seed {self.seed} (reproducible research run)" if self.seed is not None
+                 else "sampler, noise and local training seeded from OS entropy")
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None, timeout: float = 120.0,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> DPResult:
+        """Run the rounds (default: all T of the privacy plan) and return the final model and the privacy spent.
+
+        ``timeout``: seconds to wait for one round's replies. ``train_config`` reaches every node in the
+        message's ``"config"`` record. ``evaluate_fn(round, arrays)``: centralized evaluation (Flower's
+        convention), before the first round and every ``evaluate_every`` rounds. Raises
+        ``fed_dp.server.membership.NoUsersError`` when no node hosts a user and
+        ``fed_dp.server.round_loop.NoRepliesError`` when replies stop; both before more budget is spent.
+        """
+        if evaluate_config:
+            raise ValueError("UserLevelDP does not run federated evaluation (it would read users' data outside the "
+                             "privacy guarantee); evaluate centrally with evaluate_fn")
+        configure_logging()  # a ServerApp's output shows every round's ε, as Flower's strategies show theirs
+        if self.state is None:
+            self._initialize(initial_arrays)
+        self.summary()
+        self._ensure_users(grid, timeout)
+        result = DPResult()
+        resuming = self.checkpoint_dir and Path(self.checkpoint_dir, CHECKPOINT_NAME).exists()
+        if evaluate_fn is not None and self.evaluate_every and self.state.round == 0 and not resuming:
+            initial = evaluate_fn(0, self.arrays(self.state.params))
+            if initial is not None:
+                result.evaluate_metrics_serverapp[0] = initial
+
+        def exchange(plan: RoundPlan) -> RoundReplies:
+            messages, asked, dropped = self._messages(plan, train_config)
+            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            return self._replies(plan, messages, replies, asked, dropped)
+
+        def evaluate(server_round: int, params: torch.Tensor) -> dict[str, float]:
+            metrics = evaluate_fn(server_round, self.arrays(params))
+            if metrics is not None:
+                result.evaluate_metrics_serverapp[server_round] = metrics
+            return {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
+
+        loop = run_rounds(self.state, exchange, rounds=num_rounds, evaluate=evaluate if evaluate_fn else None,
+                          eval_every=self.evaluate_every, checkpoint_dir=self.checkpoint_dir,
+                          max_empty_rounds=self.max_empty_rounds, on_round=self.on_round)
+        self.state = loop.state
+        final = loop.records[-1] if loop.records else {}
+        result.arrays = self.arrays(self.state.params)
+        result.train_metrics_clientapp = {int(r["round"]) + 1: _numeric(r) for r in loop.records}
+        result.epsilon = final.get("epsilon", 0.0)
+        result.delta, result.privacy = self.state.config.delta, self.state.config
+        result.records, result.stopped = loop.records, loop.stopped
+        log.info("fed-dp finished: %d rounds, user-level epsilon %s at delta %g%s", self.state.round,
+                 result.epsilon if isinstance(result.epsilon, str) else f"{result.epsilon:.4f}", result.delta,
+                 f", eval accuracy {final['eval_accuracy']:.4f}" if "eval_accuracy" in final else "")
+        return result

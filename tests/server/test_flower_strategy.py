@@ -1,0 +1,305 @@
+"""The Flower adapter without a running Flower: the message protocol both ways, malformed replies, and the
+UserLevelDP Strategy driven by an in-process grid whose nodes answer with fed-dp's own client helpers.
+
+Flower's runtime (SuperLink, SuperNodes, Ray) is exercised by test_flower_simulation.py, test_bad_replies.py
+and test_deployment.py; here messages are real ``flwr.app.Message`` objects passed by a test grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from fed_dp.accounting import epsilon
+from fed_dp.checkpoint import load_checkpoint
+from fed_dp.clients import protocol
+from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
+from fed_dp.clients.task import initial_model
+from fed_dp.config import LocalTraining, PrivacyConfig
+from fed_dp.context import simulation
+from fed_dp.optimizers import make_optimizer
+from fed_dp.round import Contribution, init_server, begin_round
+from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
+from fed_dp.server.membership import NoUsersError
+from fed_dp.server.round_loop import NoRepliesError
+from fed_dp.simulations.builtin_tasks import heavy_tail_task
+from fed_dp.simulations.engine import train
+
+Handler = Callable[[Message], Message]
+
+
+@pytest.fixture(autouse=True)
+def server_identity():
+    """What a ServerApp process has when Flower runs it (instruction messages carry it)."""
+    before = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
+
+
+class InProcessGrid(Grid):
+    """Delivers each message to its node's handler in this process (a node that raises → an error reply)."""
+
+    def __init__(self, nodes: dict[int, Handler]) -> None:
+        self.nodes = nodes
+        self.sent: list[Message] = []
+
+    def set_run(self, run):  # pragma: no cover - not used by the strategy
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # pragma: no cover
+        raise NotImplementedError
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            try:
+                replies.append(self.nodes[message.metadata.dst_node_id](message))
+            except Exception as error:  # what Flower does with a ClientApp that raises
+                replies.append(Message(Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message))
+        return replies
+
+
+TASK = heavy_tail_task()  # 40 users, a linear model (d = 64·7)
+LOCAL = LocalTraining(batch_size=2, lr=0.5)
+PRIVACY = PrivacyConfig(num_users=40, expected_cohort=10, rounds=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
+
+
+def honest_node(node_id: int, parts: int) -> Handler:
+    """A node of a Flower simulation with ``parts`` partitions: fed-dp's own client helpers answer."""
+    trainer = LocalTrainer(TASK, LOCAL, device="cpu")
+    users = hosted_users({"partition-id": node_id - 100, "num-partitions": parts}, TASK.num_users)
+
+    def handle(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, users)
+        return train_reply(message, trainer, hosted=users)
+
+    return handle
+
+
+def honest_grid(parts: int = 2) -> InProcessGrid:
+    return InProcessGrid({100 + p: honest_node(100 + p, parts) for p in range(parts)})
+
+
+def _plan(scale: bool = False, squares: bool = False, bits: bool = False):
+    optimizer = make_optimizer("dp-adam-stp" if scale else "dp-adam-ime" if squares else "dp-fedavg")
+    from fed_dp.adaptive_clipping import AdaptiveClipConfig
+
+    adaptive = AdaptiveClipConfig(bit_noise_std=5.0, initial_clip_norm=1.0) if bits else None
+    state = init_server(PRIVACY, optimizer, torch.zeros(6), seed=1, adaptive_clipping=adaptive)
+    return begin_round(state)
+
+
+# --- the protocol, both ways -----------------------------------------------------------------------------
+
+
+def test_train_message_and_reply_round_trip():
+    plan = _plan(scale=True)
+    named = {"w": torch.arange(6.0).reshape(2, 3)}
+    message = protocol.train_message(plan, 7, [3, 5], named, seed=11, config={"lr": 0.5})
+    request = protocol.parse_train_request(message)
+    assert (request.round, request.users, request.clip_norm, request.seed) == (0, (3, 5), 1.0, 11)
+    assert request.send_squares is False and request.send_clip_bits is False and request.config == {"lr": 0.5}
+    assert torch.equal(request.params["w"], named["w"]) and torch.equal(request.scale, plan.scale)
+    contribution = Contribution(torch.linspace(-1, 1, 6), 2, scaled=True)
+    reply = protocol.make_train_reply(message, request, contribution, {"train_loss": 0.3, "bad": math.nan})
+    assert reply.metadata.src_node_id == 7 and dict(reply.content[protocol.METRICS]) == {"train_loss": 0.3}
+    parsed = protocol.parse_train_reply(reply, plan, asked=2, dim=6, dtype=torch.float64)
+    assert parsed.count == 2 and parsed.scaled and parsed.source == "node 7"
+    assert parsed.total.dtype == torch.float64 and torch.allclose(parsed.total, contribution.total.double())
+
+
+@pytest.mark.parametrize("kind, contribution, message", [
+    ("squares", Contribution(torch.zeros(6), 1), "Σu²"),
+    ("bits", Contribution(torch.zeros(6), 1), "not clipped"),
+    ("scale", Contribution(torch.zeros(6), 1), "s_t"),
+    ("plain", Contribution(torch.zeros(6), 3), "3 users; 1 were requested"),
+])
+def test_a_client_reply_that_does_not_answer_the_request_fails_on_the_client(kind, contribution, message):
+    """A custom ClientApp using the parse/reply pair cannot forget s_t, squares or clip bits silently."""
+    plan = _plan(scale=kind == "scale", squares=kind == "squares", bits=kind == "bits")
+    request = protocol.parse_train_request(protocol.train_message(plan, 7, [3], {"w": torch.zeros(6)}, seed=1))
+    with pytest.raises(ValueError, match=message):
+        protocol.make_train_reply(Message(RecordDict(), dst_node_id=7, message_type=MessageType.TRAIN), request,
+                                  contribution)
+
+
+def _reply(plan, content: dict, node: int = 7) -> Message:
+    request = protocol.train_message(plan, node, [1, 2], {"w": torch.zeros(6)}, seed=1)
+    return Message(RecordDict(content), reply_to=request)
+
+
+@pytest.mark.parametrize("content, reason", [
+    ({}, "lacks"),
+    ({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(6)}),
+      protocol.REPLY: MetricRecord({"count": 5})}, "reports 5 users but 2 were asked"),
+    ({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.tensor([0.0, math.nan, 0, 0, 0, 0])}),
+      protocol.REPLY: MetricRecord({"count": 1})}, "NaN"),
+    ({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(9)}),
+      protocol.REPLY: MetricRecord({"count": 1})}, r"shape \(9,\)"),
+    ({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(6, dtype=torch.int64)}),
+      protocol.REPLY: MetricRecord({"count": 1})}, "dtype"),
+    ({protocol.UPDATE: ArrayRecord(torch_state_dict={"other": torch.zeros(6)}),
+      protocol.REPLY: MetricRecord({"count": 1})}, "total is missing"),
+    ({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(6)}),
+      protocol.REPLY: MetricRecord({"count": 1, "scaled": 1})}, "no s_t was broadcast"),
+])
+def test_malformed_replies_are_refused_with_the_reason(content, reason):
+    with pytest.raises(protocol.ReplyError, match=reason):
+        protocol.parse_train_reply(_reply(_plan(), content), _plan(), asked=2, dim=6, dtype=torch.float32)
+
+
+def test_error_replies_and_missing_clip_bits_are_refused():
+    plan = _plan(bits=True)
+    request = protocol.train_message(plan, 7, [1], {"w": torch.zeros(6)}, seed=1)
+    error = Message(Error(code=3, reason="Traceback ...\nValueError: the disk is full"), reply_to=request)
+    with pytest.raises(protocol.ReplyError, match="the disk is full"):
+        protocol.parse_train_reply(error, plan, asked=1, dim=6, dtype=torch.float32)
+    without_bits = _reply(plan, {protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(6)}),
+                                 protocol.REPLY: MetricRecord({"count": 1})})
+    with pytest.raises(protocol.ReplyError, match="clip-bit"):
+        protocol.parse_train_reply(without_bits, plan, asked=1, dim=6, dtype=torch.float32)
+
+
+def test_a_node_with_another_model_gets_a_clear_error():
+    trainer = LocalTrainer(TASK, LOCAL, device="cpu")
+    with pytest.raises(ValueError, match="does not match this node's model"):
+        trainer.flat_params({"linear.weight": torch.zeros(3, 3)})
+
+
+# --- the Strategy --------------------------------------------------------------------------------------------
+
+
+def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_path):
+    """Two nodes hosting 20 users each: ε every round = dp_accounting's; the final model = fed_dp.train's for
+    the same seed (float32 sums added per node first: rtol 1e-5)."""
+    model = initial_model(TASK, 7)[0]
+    strategy = UserLevelDP(PRIVACY, "dp-adam", seed=7, checkpoint_dir=str(tmp_path), evaluate_every=1)
+    grid = honest_grid()
+    result = strategy.start(grid, model_arrays(model), evaluate_fn=None)
+    engine = train(TASK, PRIVACY, "dp-adam", LOCAL, seed=7, device="cpu")
+    assert [r["epsilon"] for r in result.records] == [epsilon(PRIVACY, t) for t in (1, 2, 3)] == \
+        [r["epsilon"] for r in engine.records]
+    assert result.epsilon == epsilon(PRIVACY, 3) and result.delta == 1e-5 and result.stopped is None
+    assert [r["cohort_size"] for r in result.records] == [r["cohort_size"] for r in engine.records]
+    assert all(r["replied_users"] == r["cohort_size"] and not r["dropped"] for r in result.records)
+    final = strategy.layout.flatten(dict(result.arrays.to_torch_state_dict()))
+    torch.testing.assert_close(final, engine.params, rtol=1e-5, atol=1e-6)
+    assert torch.equal(load_checkpoint(tmp_path)["state"]["params"], strategy.state.params)
+    queries = [m for m in grid.sent if m.metadata.message_type == MessageType.QUERY]
+    assert len(queries) == 2  # each node is asked once which users it hosts
+
+
+def test_configure_and_aggregate_train_run_the_same_round_as_start():
+    model = initial_model(TASK, 3)[0]
+    by_hand = UserLevelDP(PRIVACY, "dp-fedavg", seed=3)
+    grid = honest_grid()
+    messages = list(by_hand.configure_train(1, model_arrays(model), ConfigRecord(), grid))
+    assert {m.metadata.dst_node_id for m in messages} <= {100, 101}
+    arrays, metrics = by_hand.aggregate_train(1, grid.send_and_receive(messages))
+    assert metrics["epsilon"] == pytest.approx(epsilon(PRIVACY, 1))
+    whole = UserLevelDP(PRIVACY, "dp-fedavg", seed=3).start(honest_grid(), model_arrays(model), num_rounds=1)
+    assert torch.equal(arrays.to_torch_state_dict()["linear.weight"], whole.arrays.to_torch_state_dict()["linear.weight"])
+    with pytest.raises(ValueError, match="without configure_train"):
+        by_hand.aggregate_train(2, [])
+
+
+def test_nodes_without_a_query_handler_stop_the_run_before_any_budget_is_spent(tmp_path):
+    """Like a standard ClientApp without an @app.query() handler: every node answers the user query with an
+    error. The run must not release noise-only rounds: NoUsersError names the nodes and why; nothing saved."""
+    def no_query(message: Message) -> Message:
+        raise ValueError("No query function registered")
+
+    strategy = UserLevelDP(PRIVACY, "dp-fedavg", seed=1, checkpoint_dir=str(tmp_path))
+    with pytest.raises(NoUsersError, match=r"node 100: error reply .*No query function registered.*@app.query"):
+        strategy.start(InProcessGrid({100: no_query, 101: no_query}), model_arrays(initial_model(TASK, 1)[0]))
+    assert strategy.state.ledger.rounds == 0 and not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_replies_that_stop_coming_end_the_run_after_max_empty_rounds(tmp_path):
+    """Nodes answer the query but fail every round: after 2 rounds without a counted user the run stops with
+    NoRepliesError naming the failure, its checkpoint resumable with exactly those 2 rounds in the ledger."""
+    def broken(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40))
+        raise RuntimeError("CUDA out of memory")
+
+    strategy = UserLevelDP(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(NoRepliesError, match=r"last 2 rounds.*CUDA out of memory.*resume"):
+        strategy.start(InProcessGrid({100: broken, 101: broken}), model_arrays(initial_model(TASK, 2)[0]))
+    assert load_checkpoint(tmp_path)["state"]["round"] == 2
+    assert len(load_checkpoint(tmp_path)["state"]["ledger"]["records"]) == 2
+
+
+def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_users():
+    def foreign(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, range(20, 40))
+        request = protocol.parse_train_request(message)
+        return Message(RecordDict({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(3)}),
+                                   protocol.REPLY: MetricRecord({"count": len(request.users)})}), reply_to=message)
+
+    grid = InProcessGrid({100: honest_node(100, 2), 101: foreign})
+    grid.nodes[100] = lambda m: query_reply(m, range(20)) if m.metadata.message_type == MessageType.QUERY \
+        else honest_node(100, 1)(m)
+    result = UserLevelDP(PRIVACY, "dp-fedavg", seed=4).start(grid, model_arrays(initial_model(TASK, 4)[0]))
+    for record in result.records:
+        assert all("node 101: total has shape (3,)" in p for p in record["dropped"])
+        assert record["replied_users"] <= record["cohort_size"]
+    assert any(r["dropped"] for r in result.records)
+
+
+def simulation_built(name: str):
+    with simulation():
+        return make_optimizer(name)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: UserLevelDP(PRIVACY.replace(num_users=None), "dp-adam"), "num_users must be set"),
+    (lambda: UserLevelDP(PRIVACY, "noiseless-adam"), "NOT differentially private"),
+    (lambda: UserLevelDP(PRIVACY, simulation_built("noiseless-adam")), "not private"),
+    (lambda: UserLevelDP(PRIVACY, "dp-lion"), "unknown optimizer"),
+    (lambda: UserLevelDP("epsilon 3", "dp-adam"), "PrivacyConfig"),
+])
+def test_misconfigured_strategies_are_refused(build, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        build()
+
+
+def test_the_noiseless_baseline_is_allowed_in_a_simulation_only():
+    with simulation():
+        assert not UserLevelDP(PRIVACY, make_optimizer("noiseless-adam")).optimizer.private
+
+
+def test_integer_initial_arrays_are_refused_with_what_to_pass():
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(3), "num_batches_tracked": torch.zeros((), dtype=torch.long)})
+    with pytest.raises(ValueError, match="model_arrays"):
+        UserLevelDP(PRIVACY, "dp-adam").start(honest_grid(), arrays)
+
+
+def test_target_epsilon_is_calibrated_when_the_run_starts():
+    privacy = PRIVACY.replace(noise_multiplier=None, target_epsilon=4.0)
+    result = UserLevelDP(privacy, "dp-fedavg", seed=5).start(honest_grid(), model_arrays(initial_model(TASK, 5)[0]))
+    assert result.privacy.noise_multiplier is not None and result.epsilon <= 4.0
+    assert result.epsilon == pytest.approx(epsilon(result.privacy, 3))
