@@ -90,3 +90,26 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert test_command.endswith("pytest")
     ci_script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command in ci_script.splitlines()
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+@pytest.mark.parametrize("example", ["examples/digits.py", "examples/flower_app/server_app.py",
+                                     "examples/flower_app/client_app.py"])
+def test_the_readme_shows_the_tested_examples_verbatim(example):
+    """What a user copies from "Bring your own model and data" is the file tests/test_examples.py runs."""
+    assert (ROOT / example).read_text(encoding="utf-8") in [block for block in _python_blocks()]
+
+
+def test_the_configuration_reference_lists_every_key_with_its_default():
+    from fed_dp.run_config import KEYS
+
+    section = README[README.index("### Configuration reference"):]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z0-9-]+\.[a-z0-9-]+)` \| `([^`]*)` \|", section, flags=re.M)}
+    assert set(rows) == {key.dotted for key in KEYS}
+    for key in KEYS:
+        shown = "unset" if key.default is None else str(key.default).lower() if isinstance(key.default, bool) \
+            else f'"{key.default}"' if isinstance(key.default, str) else repr(key.default)
+        assert rows[key.dotted] == shown, key.dotted
