@@ -17,19 +17,13 @@ from typing import Any
 
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, PrivacyConfig
-from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
+from fed_dp.sampling import dp_event, guarantee, neighboring_relation
 
 _SAMPLER_HELP = (
     "user sampler: poisson (each user with q = B/N; default), without-replacement (exactly B of N; "
     "needs --accountant rdp), all (every user every round; B = N), cyclic-poisson (users hashed into "
     "--bands groups, one group per round at q = B*b/N), min-sep (fixed groups of B users in turn)"
 )
-
-
-_ADJACENCY = {
-    NeighboringRelation.ADD_OR_REMOVE_ONE: "add or remove one user",
-    NeighboringRelation.REPLACE_ONE: "replace one user",
-}
 
 
 def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_multiplier: bool) -> None:
@@ -92,6 +86,7 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
         "sampling_rate": config.sampling_rate,
         "max_participations": config.participations(),
         "neighboring_relation": neighboring_relation(config).name.lower(),
+        "guarantee": guarantee(config),
         "dp_event": repr(dp_event(config)),
     }
 
@@ -99,7 +94,7 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
 def _print_text(config: PrivacyConfig, headline: str) -> None:
     print(headline)
     print(f"  sampler     {config.sampler}, rate {config.sampling_rate:.6g}, "
-          f"adjacency: {_ADJACENCY[neighboring_relation(config)]}")
+          f"adjacency: {guarantee(config)}")
     print(f"  noise       {config.noise} (bands {config.bands}), sigma = {config.noise_multiplier:.6g}")
     print(f"  population  N = {config.num_users}, expected cohort B = {config.expected_cohort}, "
           f"rounds T = {config.rounds}, participations per user <= {config.participations()}")

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from fed_dp.config import PrivacyConfig
-from fed_dp.sampling import entropy_seed
 from fed_dp.factorization import BandedStrategy, optimize_toeplitz
+from fed_dp.randomness import make_noise_source
 
 
 def strategy_fingerprint(strategy: BandedStrategy | None) -> str:
@@ -44,12 +44,16 @@ class Privatizer:
         strategy: the BandMF strategy C, or ``None`` for independent Gaussian noise (C = I, no horizon).
         noise_std: σ·ζ, the noise std on the sum for one participation (times the row norm of C⁻¹).
         dim: d, the length of the flat update vector.
-        seed: generator seed; ``None`` draws one from OS entropy (``seeded_explicitly`` tells which).
+        seed: generator seed of the ``"torch"`` source; ``None`` draws one from OS entropy
+            (``seeded_explicitly`` tells which).
         device, dtype: where and in which precision the noise and the buffer live.
+        source: where Z comes from (``fed_dp.randomness``): ``"torch"`` (a seeded ``torch.Generator``) or
+            ``"secure"`` (AES-256-CTR keyed from OS entropy; takes no seed).
 
     State: ``index`` (the next step t), the ring buffer of the last b−1 unit-scale outputs, and the
-    generator state. ``state_dict``/``load_state_dict`` restore them exactly, so a resumed run
-    continues the same noise stream and never reuses a noise vector.
+    noise source's state. ``state_dict``/``load_state_dict`` restore them exactly, so a resumed run
+    continues the same noise stream and never reuses a noise vector. The state is a secret of the server:
+    whoever holds it can subtract the noise.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class Privatizer:
         seed: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        source: str = "torch",
     ) -> None:
         if not (isinstance(noise_std, (int, float)) and noise_std > 0 and noise_std != float("inf")):
             raise ValueError(f"noise_std (σ·ζ) must be a finite number > 0, got {noise_std!r}")
@@ -73,14 +78,18 @@ class Privatizer:
         self.dim = dim
         self.device = torch.device(device)
         self.dtype = dtype
-        self.seed = entropy_seed() if seed is None else int(seed)
+        self._source = make_noise_source(source, seed, self.device)
         self.seeded_explicitly = seed is not None
         self.index = 0
-        self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
         bands = 1 if strategy is None else strategy.bands
         self._buffer = torch.zeros(bands - 1, dim, device=self.device, dtype=dtype)
         # Coefficients on the device once; step t reads its row.
         self._band = None if strategy is None else strategy.band.to(self.device, dtype)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a ``"torch"`` noise source (None for the secure source, which has a key instead)."""
+        return getattr(self._source, "seed", None)
 
     @property
     def bands(self) -> int:
@@ -102,7 +111,7 @@ class Privatizer:
         """y_t = [C⁻¹Z]_t for the current t, updating the ring buffer; advances the index."""
         t = self.index
         self._check_step(t)
-        z = torch.randn(self.dim, generator=self._generator, device=self.device, dtype=self.dtype)
+        z = self._source.normal(self.dim, self.dtype)
         if self._band is None:
             y = z
         else:
@@ -163,11 +172,10 @@ class Privatizer:
             "strategy": strategy_fingerprint(self.strategy),
             "noise_std": self.noise_std,
             "dim": self.dim,
-            "seed": self.seed,
             "seeded_explicitly": self.seeded_explicitly,
             "index": self.index,
             "buffer": self._buffer.detach().cpu().clone(),
-            "generator_state": self._generator.get_state().clone(),
+            "source": self._source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,11 +193,10 @@ class Privatizer:
         buffer = state["buffer"]
         if tuple(buffer.shape) != tuple(self._buffer.shape):
             raise ValueError(f"privatizer buffer has shape {tuple(buffer.shape)}, expected {tuple(self._buffer.shape)}")
-        self.seed = int(state["seed"])
         self.seeded_explicitly = bool(state["seeded_explicitly"])
         self.index = int(state["index"])
         self._buffer = buffer.to(self.device, self.dtype).clone()
-        self._generator.set_state(state["generator_state"])
+        self._source.load_state_dict(state["source"])
 
 
 def make_strategy(config: PrivacyConfig, cache_dir: str | None = None) -> BandedStrategy | None:
@@ -209,8 +216,10 @@ def make_privatizer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     strategy: BandedStrategy | None = None,
+    source: str = "torch",
 ) -> Privatizer:
-    """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given)."""
+    """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given); ``source``:
+    the noise source (``fed_dp.randomness``)."""
     config.require_resolved("the privatizer")
     if strategy is None:
         strategy = make_strategy(config)
@@ -228,4 +237,5 @@ def make_privatizer(
         seed=seed,
         device=device,
         dtype=dtype,
+        source=source,
     )

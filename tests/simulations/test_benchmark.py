@@ -71,5 +71,8 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     noise = results["noise"]
     assert noise["buffer_bytes"] == (noise["bands"] - 1) * noise["dim"] * 4
     assert noise["ratio"] == pytest.approx(noise["bandmf_step_seconds"] / noise["gaussian_seconds"])
+    secure = results["secure-noise"]["rows"][0]
+    assert secure["device"] == "cpu" and secure["throughput_ratio"] == pytest.approx(
+        secure["torch_seconds"] / secure["secure_seconds"])
     accounting = results["accounting"]
     assert accounting["epsilon"] > 0 and accounting["calibrated_sigma"] > 0

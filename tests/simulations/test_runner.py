@@ -89,7 +89,7 @@ def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
         assert [r["round"] for r in records] == [0, 1, 2]
         for t, record in enumerate(records):
             assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1))
-            assert {"group0_accuracy", "group1_accuracy", "eval_loss", "train_loss"} <= set(record)
+            assert {"group0_accuracy", "group1_accuracy", "eval_loss", "nonprivate_train_loss"} <= set(record)
     assert "nu_hat_median" in results["dp-adambc"][-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[0]["epsilon"] == pytest.approx(epsilon(privacy))
