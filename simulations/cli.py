@@ -31,6 +31,10 @@ def _run_simulation(args: argparse.Namespace) -> None:
     from fed_dp.simulations.plots import plot_all
     from fed_dp.simulations.runner import DEFAULT_CONFIG, apply_overrides, format_table, load_config, read_results, run_experiment
 
+    if args.config_option:
+        if args.config and args.config != args.config_option:
+            raise ValueError(f"two configs given: {args.config!r} and --config {args.config_option!r}; give one")
+        args.config = args.config_option
     # A task of the user's own, by reference (importable from the current folder), starts from the run
     # configuration's defaults unless a config is named too; the built-in default config is for its own task.
     config = load_config(args.config) if args.config or not args.task else {}
@@ -68,6 +72,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None,
                         help="a TOML config file, or the name of a built-in config in simulations/configs "
                         "(default: heavy-tail-quick; with --task: the run configuration's defaults)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG",
+                        help="the same as the positional CONFIG (a TOML file or a built-in config name)")
     parser.add_argument("--task", metavar="MODULE:FACTORY",
                         help="train your own task: a function returning a fed_dp.Task, e.g. my_task:make_task "
                         "(importable from the current folder); replaces the config's [task] table, whose keys "

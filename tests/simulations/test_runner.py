@@ -167,3 +167,31 @@ def test_adaptive_clipping_runs_through_the_runner(tmp_path):
     records = read_results(tmp_path)["dp-sgd"]
     assert all("next_clip_norm" in r for r in records) and records[0]["clip_norm"] == 1.0
     assert rows[0]["epsilon"] == pytest.approx(epsilon(_privacy(_tiny())))
+
+
+DATA_CONFIGS = [n for n in _builtin_configs() if load_config(n)["task"]["ref"] in
+                ("snli", "qnli", "ptb", "e2e", "femnist", "shakespeare", "stackoverflow", "flair")]
+
+
+@pytest.mark.parametrize("name", sorted({n.removesuffix("-paper") for n in DATA_CONFIGS}))
+def test_every_data_task_has_a_cpu_sized_and_a_paper_sized_config(name):
+    assert {name, f"{name}-paper"} <= set(DATA_CONFIGS)
+
+
+@pytest.mark.parametrize("name", [n for n in DATA_CONFIGS if not n.endswith("-paper")])
+def test_fed_dp_simulate_runs_each_data_config_end_to_end_on_a_fixture(name, tmp_path):
+    """`fed-dp simulate --config NAME --set task.root=<fixture>`: the config's task on tiny files in the real
+    format, shrunk to 2 rounds of one optimizer (the fixture has a handful of users)."""
+    import data_fixtures
+
+    config = load_config(name)
+    root = data_fixtures.write(config["task"]["ref"], tmp_path / "data")
+    shrink = [f"task.root={root}", "privacy.rounds=2", "privacy.expected-cohort=2", "run.eval-every=1",
+              f'run.optimizers=["{config["run"]["optimizers"][-1]}"]']
+    if "users" in config["task"]:
+        shrink.append("task.users=3")
+    sets = [arg for item in shrink for arg in ("--set", item)]
+    assert main(["simulate", "--config", name, *sets, "--out", str(tmp_path / "out"), "--quiet", "--no-plot"]) == 0
+    records = read_results(tmp_path / "out")[config["run"]["optimizers"][-1]]
+    assert len(records) == 2 and "eval_loss" in records[-1]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["resolved"]["num_users"] >= 2
