@@ -12,7 +12,7 @@ from fed_dp.simulations.cli import main
 from fed_dp.simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
 
 TINY = [
-    "task.groups=2", "task.largest=8", "task.users=16",
+    "task.groups=2", "task.largest=8", "task.users=16", "task.held-out=4",
     "privacy.expected-cohort=4", "privacy.rounds=3", "run.eval-every=1",
     'run.optimizers=["dp-sgd","dp-adambc"]',
 ]
@@ -26,12 +26,14 @@ def _privacy(config: dict, num_users: int = 16):
     return resolve_privacy(parse_experiment(config).privacy, num_users)
 
 
-def test_default_config_is_a_valid_heavy_tail_comparison():
+def test_default_config_is_the_main_job():
+    """Issue 14's main job: >= 10,000 users, a meaningful ε (<= 8) at δ <= 1/N, DP-FedAvg/DP-SGDM, DP-Adam,
+    DP-AdamBC and scale-then-privatize compared."""
     config = load_config(None)
-    assert config["task"]["ref"] == "heavy-tail"
-    assert len(config["run"]["optimizers"]) >= 3
+    assert config["task"]["ref"] == "heavy-tail-mixture" and config["task"]["users"] >= 10_000
+    assert {"dp-sgdm", "dp-adam", "dp-adambc", "dp-adam-stp"} <= set(config["run"]["optimizers"])
     experiment = parse_experiment(config)
-    assert experiment.privacy.target_epsilon == config["privacy"]["target-epsilon"]
+    assert experiment.privacy.target_epsilon <= 8 and experiment.privacy.delta <= 1 / config["task"]["users"]
     assert epsilon(_privacy(config, config["task"]["users"])) <= experiment.privacy.target_epsilon  # σ meets it
 
 
@@ -74,7 +76,9 @@ def test_population_given_in_the_config_must_be_the_tasks(tmp_path):
 def test_client_table_chooses_the_training_path_device_and_chunks():
     client = parse_experiment(_tiny(['client.training="vectorized"', 'client.device="cpu"', "client.chunk-size=4"])).base.client
     assert (client.vectorized, client.device, client.chunk_size) == (True, "cpu", 4)
-    default = parse_experiment(_tiny()).base.client
+    config = _tiny()
+    config.pop("client", None)  # the schema's defaults
+    default = parse_experiment(config).base.client
     assert (default.vectorized, default.device, default.chunk_size) == (None, "auto", None)
     assert parse_experiment(_tiny(['client.training="sequential"'])).base.client.vectorized is False
 
