@@ -98,3 +98,13 @@ def test_flair_errors(tmp_path):
         fd.flair_user(path, "train", ids[0], ["animal"], 32)
     with pytest.raises(ValueError, match="cannot be reduced to 48x48"):
         fd.flair_user(path, "train", ids[0], sorted(FLAIR_LABELS), 48)
+
+
+def test_without_h5py_the_error_names_the_install(tmp_path, monkeypatch):
+    import sys
+
+    write_stackoverflow(tmp_path)
+    fd._open_h5.cache_clear()
+    monkeypatch.setitem(sys.modules, "h5py", None)  # what `import h5py` sees when it is not installed
+    with pytest.raises(ImportError, match="pip install h5py"):
+        fd.stackoverflow_users(tmp_path)
