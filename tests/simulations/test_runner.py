@@ -199,3 +199,12 @@ def test_fed_dp_simulate_runs_each_data_config_end_to_end_on_a_fixture(name, tmp
     records = read_results(tmp_path / "out")[config["run"]["optimizers"][-1]]
     assert len(records) == 2 and "eval_loss" in records[-1]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["resolved"]["num_users"] >= 2
+
+
+def test_config_option_is_the_positional_config(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "main-job", "--config", "ptb"])
+    assert exit_.value.code == 2 and "two configs given" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--config", "no-such-config"])
+    assert "built-in configs" in capsys.readouterr().err
