@@ -37,7 +37,7 @@ from fed_dp.simulations.engine import train
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
            "read_results", "run_experiment"]
 
-DEFAULT_CONFIG = "heavy-tail-quick"
+DEFAULT_CONFIG = "main-job"
 
 
 def load_config(path: str | Path | None) -> dict[str, Any]:

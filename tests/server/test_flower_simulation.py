@@ -167,3 +167,28 @@ def test_adaptive_clipping_bits_travel_through_flower(tmp_path):
     assert [r["clip_norm"] for r in records[1:]] == [r["next_clip_norm"] for r in records[:-1]]
     assert all(0 <= c["unclipped_users"] <= c["replied_users"] for c in counts)
     assert records[-1]["epsilon"] == pytest.approx(epsilon(privacy, 3))
+
+
+def test_a_text_task_from_local_files_runs_through_flower(tmp_path):
+    """Penn Treebank (ptb.*.txt in a local folder, task.root) through `flwr run`: each process reads the files
+    and builds the same vocabulary and users; ε is dp_accounting's and the final model the in-process
+    engine's for the same seeds."""
+    data = tmp_path / "ptb"
+    data.mkdir()
+    lines = [" the cat sat on the mat ", " a dog ran in the park N times ", " the <unk> was big and the cat ran ",
+             " we sat in the park ", " N dogs and N cats "]
+    for split in ("train", "valid", "test"):
+        (data / f"ptb.{split}.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "ckpt"
+    config = {"task.ref": "ptb", "task.root": str(data), "task.users": 4, "task.length": 6,
+              "privacy.expected-cohort": 2, "privacy.rounds": 2, "privacy.accountant": "rdp", "run.seed": 3,
+              "local.batch-size": 2, "server.checkpoint-dir": str(out)}
+    log = flower_run.run(tmp_path / "home", config, supernodes=2)
+    assert "2 SuperNode(s) host 4 of the 4 users" in log, log[-3000:]
+    records = _results(out)
+    run = RunConfig.from_flat(config)
+    privacy = resolve_privacy(run.privacy, 4)
+    assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in (1, 2)]
+    assert "eval_perplexity" in records[-1]
+    engine = train(build_task(run.task), privacy, run.optimizer.build(), run.local, seed=3, device="cpu")
+    torch.testing.assert_close(load_checkpoint(out)["state"]["params"], engine.params, rtol=1e-5, atol=1e-6)
