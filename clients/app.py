@@ -1,7 +1,8 @@
 """The project's Flower ClientApp: a node hosts one or many users and answers for each sampled one.
 
     QUERY  → the user indices this node hosts (node config ``users``, e.g. "0-19,40-49"; under Flower's
-             simulation engine user u lives on partition u mod num-partitions)
+             simulation engine user u lives on partition u mod num-partitions) and its node config's
+             ``name``, if it has one (the server knows a restarted node by it, else by its users)
     TRAIN  → the requested users trained from θ_{t−1} with the task's loss, clipped in the broadcast geometry,
              summed (``fed_dp.clients.node.train_reply``)
 
@@ -36,7 +37,8 @@ def _trainer(context: Context) -> LocalTrainer:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     trainer = _trainer(context)
-    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users))
+    name = str(context.node_config.get("name", "")) or None
+    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), name=name)
 
 
 @app.train()

@@ -1,9 +1,9 @@
 """The messages between fed-dp's server and its clients: the keys and the parse/reply pairs of both sides.
 
-QUERY, "which users do you host?" (once per node, before the first round):
+QUERY, "which users do you host?" (once per node id, when the server first sees it connected):
 
     server → node   {"fed-dp.query": ConfigRecord{"what": "users"}}
-    node → server   {"fed-dp.users": ConfigRecord{"users": [sampler indices 0..N−1]}}
+    node → server   {"fed-dp.users": ConfigRecord{"users": [sampler indices 0..N−1], "name": stable name (optional)}}
 
 TRAIN, round t, to each node hosting sampled users:
 
@@ -42,8 +42,8 @@ MODEL, SCALE, ROUND, CONFIG = "fed-dp.model", "fed-dp.scale", "fed-dp.round", "c
 UPDATE, REPLY, METRICS = "fed-dp.update", "fed-dp.reply", "metrics"
 
 __all__ = [
-    "ReplyError", "TrainRequest", "parse_train_reply", "parse_train_request", "parse_users_reply", "query_reply",
-    "train_message", "make_train_reply", "users_query",
+    "ReplyError", "TrainRequest", "destinations", "make_train_reply", "node_name", "parse_train_reply",
+    "parse_train_request", "parse_users_reply", "query_reply", "replying_node", "train_message", "users_query",
 ]
 
 
@@ -60,11 +60,21 @@ def users_query(node_id: int) -> Message:
                    message_type=MessageType.QUERY)
 
 
-def query_reply(msg: Message, users: Sequence[int]) -> Message:
-    """A node's answer: the sampler indices of the users it hosts."""
+def query_reply(msg: Message, users: Sequence[int], name: str | None = None) -> Message:
+    """A node's answer: the sampler indices of the users it hosts, and optionally its stable ``name`` (the server
+    recognises a restarted node by it; without one, by its user ranges)."""
     if QUERY not in msg.content:
         raise ValueError("this QUERY is not fed-dp's user query (it has no 'fed-dp.query' record)")
-    return Message(content=RecordDict({USERS: ConfigRecord({"users": [int(u) for u in users]})}), reply_to=msg)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"a node's name must be a non-empty string, got {name!r}")
+    answer = ConfigRecord({"users": [int(u) for u in users]} | ({"name": name.strip()} if name is not None else {}))
+    return Message(content=RecordDict({USERS: answer}), reply_to=msg)
+
+
+def node_name(reply: Message) -> str | None:
+    """The name a node gave in its answer to the user query (None if it gave none)."""
+    name = reply.content[USERS].get("name") if USERS in reply.content else None
+    return str(name) if name else None
 
 
 def parse_users_reply(reply: Message, num_users: int) -> list[int]:
@@ -80,6 +90,17 @@ def parse_users_reply(reply: Message, num_users: int) -> list[int]:
         raise ReplyError(f"it hosts users {outside[:5]} outside 0..{num_users - 1} (the population has N = "
                          f"{num_users} users)")
     return users
+
+
+def destinations(messages: Sequence[Message]) -> dict[str, int]:
+    """message id → the node id it was sent to (ids are set when the grid pushes the messages)."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+
+
+def replying_node(reply: Message, sent_to: Mapping[str, int]) -> int:
+    """The node a reply answers for: the destination of the message it replies to (for an unreachable node the
+    SuperLink itself sends the error reply, so the reply's own source is not the node), else its source."""
+    return sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
 
 
 # --- TRAIN ----------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
                                         cohort), the clip-bit noise; whoever holds it can remove the noise
         diagnostics.jsonl               per-round operator diagnostics computed from users' data outside the
                                         accounted mechanism (cohort sizes, replies, clipped counts)
+        operator.log                    the same, as log lines: which nodes' sampled users were dropped and
+                                        why (no reply, late, malformed), which setting to change
 
 Saving round t writes both files of round t (each to a temporary file, fsync'ed, then renamed), and only then
 replaces ``checkpoint.json`` — the commit point — and removes the files of earlier rounds. A crash at any
@@ -31,6 +33,7 @@ COMMIT_NAME = "checkpoint.json"
 PUBLISHED_NAME = "published.json"
 SECRET_FOLDER = "secret"
 DIAGNOSTICS_NAME = "diagnostics.jsonl"
+OPERATOR_LOG_NAME = "operator.log"
 FORMAT = "fed-dp/server-checkpoint"
 VERSION = 2
 
@@ -139,6 +142,14 @@ def append_diagnostics(folder: str | os.PathLike, record: dict[str, Any]) -> Non
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record, default=str) + "\n")
     os.chmod(path, 0o600)
+
+
+def operator_log_file(folder: str | os.PathLike) -> Path:
+    """``secret/operator.log``, created (empty) with mode 0600 if it does not exist."""
+    path = secret_folder(folder) / OPERATOR_LOG_NAME
+    path.touch(mode=0o600, exist_ok=True)
+    os.chmod(path, 0o600)
+    return path
 
 
 def read_diagnostics(folder: str | os.PathLike) -> list[dict[str, Any]]:

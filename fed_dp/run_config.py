@@ -135,9 +135,11 @@ KEYS: tuple[Key, ...] = (
     Key("server", "checkpoint-dir", str, None, "folder of the checkpoints (a public part, and secret/ with the "
         "noise state and the operator's diagnostics) and results.json (absolute under Flower); unset: none",
         unset=""),
-    Key("server", "reply-timeout", float, 120.0, "seconds to wait for the replies of one round"),
-    Key("server", "min-nodes", int, 1, "SuperNodes to wait for before the first round"),
-    Key("server", "node-wait", float, 60.0, "seconds to wait for min-nodes"),
+    Key("server", "reply-timeout", float, 120.0, "seconds to wait for the replies of one round (size it from the "
+        "slowest node's round; a node still connected that misses it is named in secret/operator.log)"),
+    Key("server", "min-nodes", int, 1, "SuperNodes hosting users that must be connected before every round"),
+    Key("server", "node-wait", float, 60.0, "seconds to wait for min-nodes; then the run stops with an error, "
+        "resumable"),
     Key("server", "max-empty-rounds", int, 2, "stop with an error after this many rounds in a row in which "
         "users were sampled but no valid reply came"),
     Key("server", "noise-source", str, "auto", "Gaussian noise from secure (AES-CTR keyed from OS entropy) or "

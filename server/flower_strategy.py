@@ -22,6 +22,7 @@ guarantee: this strategy evaluates centrally (``evaluate_fn``) and sends no EVAL
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.round import RoundPlan, ServerState, begin_round, finish_round, init_server
-from fed_dp.server.membership import discover_users, wait_for_nodes
+from fed_dp.server.membership import Membership, NotEnoughNodesError
 from fed_dp.server.round_loop import RoundReplies, run_rounds
 
 log = logging.getLogger("fed_dp.server")
@@ -119,7 +120,8 @@ class UserLevelDP(Strategy):
         secret part) and ``results.json``; resumes from it.
     evaluate_every: centralized evaluation every k rounds and after the last (0: never).
     max_empty_rounds: stop with an error after this many rounds in a row without any counted user.
-    min_nodes, node_wait: wait for this many nodes, at most this many seconds, before the first round.
+    min_nodes, node_wait: before every round at least ``min_nodes`` hosting nodes must be connected; the server
+        waits at most ``node_wait`` seconds for them, then stops with ``NotEnoughNodesError`` (resumable).
     on_round: called with each round's record.
     noise_source: where the Gaussian noise comes from (``fed_dp.randomness``): ``"secure"`` (AES-CTR keyed from OS
         entropy, whatever the seed), ``"torch"`` (a seeded generator: reproducible, for research), or ``None``
@@ -153,7 +155,10 @@ class UserLevelDP(Strategy):
         self.min_nodes, self.node_wait, self.on_round = min_nodes, node_wait, on_round
         self.state: ServerState | None = None
         self.layout: ParamLayout | None = None
-        self.owner: dict[int, int] | None = None
+        self.membership: Membership | None = None
+        self.reply_timeout = 120.0
+        self.slowest_full_round = 0.0  # seconds of the slowest exchange in which every asked node replied
+        self._grid: Grid | None = None
         self.noise_source = noise_source if noise_source is not None else "secure" if seed is None else "torch"
         if self.noise_source not in ("secure", "torch"):
             raise ValueError(f"noise_source must be 'secure', 'torch' or None, got {noise_source!r}")
@@ -178,10 +183,34 @@ class UserLevelDP(Strategy):
                                  adaptive_clipping=self.adaptive_clipping, noise_source=self.noise_source)
 
     def _ensure_users(self, grid: Grid, timeout: float) -> None:
-        if self.owner is None:
-            nodes = wait_for_nodes(grid, self.min_nodes, self.node_wait)
-            self.owner = discover_users(grid, nodes, self.state.config.num_users, timeout)
-            log.info("%d SuperNode(s) host %d of the %d users", len(nodes), len(self.owner), self.state.config.num_users)
+        """Discover the nodes and their users once (``fed_dp.server.membership``)."""
+        if self.membership is None:
+            membership = Membership(self.state.config.num_users, query_timeout=timeout)
+            membership.start(grid, self.min_nodes, self.node_wait)
+            self.membership = membership
+
+    def _await_nodes(self, grid: Grid) -> None:
+        """Before a round: follow nodes that left or came back; wait up to ``node_wait`` s while fewer than
+        ``min_nodes`` hosting nodes are connected, then stop with :class:`NotEnoughNodesError`."""
+        self.membership.refresh(grid)
+        if len(self.membership.connected()) >= self.min_nodes:
+            return
+        log.warning("only %d of the %d node(s) needed (server.min-nodes) are connected; waiting up to %.0f s "
+                    "(server.node-wait) before the next round", len(self.membership.connected()), self.min_nodes,
+                    self.node_wait)
+        deadline = time.monotonic() + self.node_wait
+        while time.monotonic() < deadline:
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+            self.membership.refresh(grid)
+            if len(self.membership.connected()) >= self.min_nodes:
+                return
+        down = sorted(node.name for node in self.membership.nodes.values() if node.node_id is None)
+        raise NotEnoughNodesError(
+            f"only {len(self.membership.connected())} node(s) hosting users stayed connected for {self.node_wait:.0f} s "
+            f"(server.node-wait); {self.min_nodes} are needed (server.min-nodes). Nodes down: "
+            f"{', '.join(repr(n) for n in down) or 'none of the known ones'}. No round was released for this wait "
+            f"(the last released round is {self.state.round}). Restart the SuperNodes, then submit the run again "
+            "with the same server.checkpoint-dir to resume")
 
     def arrays(self, params: torch.Tensor) -> ArrayRecord:
         """A flat θ as the ArrayRecord of named tensors the nodes receive."""
@@ -189,12 +218,14 @@ class UserLevelDP(Strategy):
 
     # --- one round: messages out, replies in ---------------------------------------------------------------
     def _messages(self, plan: RoundPlan, config: ConfigRecord | None) -> tuple[list[Message], dict[int, int], int]:
-        """TRAIN messages to the nodes hosting sampled users; also users asked per node and unreachable users."""
+        """TRAIN messages to the nodes hosting sampled users; also users asked per node and unreachable users
+        (sampled users whose node is down or who are on no node)."""
         by_node: dict[int, list[int]] = defaultdict(list)
         unreachable = 0
         for user in plan.cohort.tolist():
-            if user in self.owner:
-                by_node[self.owner[user]].append(user)
+            node = self.membership.node_of(user)
+            if node is not None:
+                by_node[node].append(user)
             else:
                 unreachable += 1
         named = self.layout.unflatten(plan.params)
@@ -202,37 +233,53 @@ class UserLevelDP(Strategy):
                     for node, users in sorted(by_node.items())]
         return messages, {node: len(users) for node, users in by_node.items()}, unreachable
 
-    def _replies(self, plan: RoundPlan, messages: list[Message], replies: Iterable[Message], asked: dict[int, int],
-                 unreachable: int) -> RoundReplies:
-        """Replies → contributions. Which nodes' users were not counted, why and how many, is operator-only
-        information (``nonprivate``): a node is asked only when one of its users was sampled.
+    def _label(self, node_id: int) -> str:
+        return f"node '{self.membership.name_of(node_id)}' (id {node_id})"
 
-        A reply belongs to the node its message went to (Flower answers for an unreachable node with an error
-        reply from the SuperLink, so the reply's own source is not the node)."""
-        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+    def _replies(self, plan: RoundPlan, messages: list[Message], replies: Iterable[Message], asked: dict[int, int],
+                 unreachable: int, seconds: float | None = None) -> RoundReplies:
+        """Replies → contributions. Which nodes' users were not counted, why and how many, is operator-only
+        information (``nonprivate``): a node is asked only when one of its users was sampled. A node that sent
+        nothing is told apart as late (still connected: the warning says to raise server.reply-timeout) or gone.
+
+        A reply belongs to the node its message went to (``protocol.replying_node``)."""
+        sent_to = protocol.destinations(messages)
         contributions, answered = [], set()
-        problems = [f"{unreachable} sampled user(s) are on no connected node"] if unreachable else []
-        dropped_users = unreachable
+        failures: list[tuple[str, int]] = [("sampled users on no connected node", unreachable)] if unreachable else []
         for reply in replies:
-            node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            node = protocol.replying_node(reply, sent_to)
             if node not in asked or node in answered:
                 if reply.has_error() and not reply.metadata.reply_to_message_id:  # Flower's, for no message of ours
-                    problems.append(f"SuperLink: error reply ({reply.error.code}) not tied to a node: "
-                                    f"{protocol.last_line(reply.error.reason)}")
+                    failures.append((f"SuperLink: error reply ({reply.error.code}) not tied to a node: "
+                                     f"{protocol.last_line(reply.error.reason)}", 0))
                 else:
-                    problems.append(f"node {node}: an unexpected reply (not asked this round, or a second one)")
+                    failures.append((f"{self._label(node)}: an unexpected reply (not asked this round, or a second "
+                                     "one)", 0))
                 continue
             answered.add(node)
             try:
                 contributions.append(protocol.parse_train_reply(reply, plan, asked[node], self.layout.size,
                                                                 self.state.params.dtype))
             except protocol.ReplyError as error:
-                problems.append(f"node {node}: {error} ({asked[node]} sampled user(s) dropped)")
-                dropped_users += asked[node]
-        for node in sorted(set(asked) - answered):
-            problems.append(f"node {node}: no reply in time ({asked[node]} sampled user(s) dropped)")
-            dropped_users += asked[node]
-        return RoundReplies(contributions, nonprivate={"dropped": problems, "dropped_users": dropped_users})
+                failures.append((f"{self._label(node)}: {error}", asked[node]))
+        missing = sorted(set(asked) - answered)
+        online = set(self._grid.get_node_ids()) if missing and self._grid is not None else set()
+        for node in missing:
+            if node in online:
+                failures.append((f"{self._label(node)}: connected, but its reply missed the deadline "
+                                 f"(server.reply-timeout = {self.reply_timeout:g} s). If it is slow rather than "
+                                 "stuck, raise server.reply-timeout" + (
+                                     f" (the slowest round in which every asked node replied took "
+                                     f"{self.slowest_full_round:.1f} s)" if self.slowest_full_round else ""),
+                                 asked[node]))
+            else:
+                failures.append((f"{self._label(node)}: no reply, and it is no longer connected", asked[node]))
+        if seconds is not None and not missing:
+            self.slowest_full_round = max(self.slowest_full_round, seconds)
+        return RoundReplies(contributions, nonprivate={
+            "dropped": [f"{what} ({users} sampled user(s) dropped)" if users else what for what, users in failures],
+            "failures": sorted({what for what, _ in failures}),
+            "dropped_users": sum(users for _, users in failures)})
 
     # --- Flower's Strategy interface ---------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -240,7 +287,9 @@ class UserLevelDP(Strategy):
         """Round ``server_round`` (1-based): refuse it if over budget, sample users, one message per node."""
         if self.state is None:
             self._initialize(arrays)
-        self._ensure_users(grid, timeout=120.0)
+        self._grid = grid
+        self._ensure_users(grid, timeout=self.reply_timeout)
+        self._await_nodes(grid)
         if server_round != self.state.round + 1:
             raise ValueError(f"configure_train for round {server_round}, but the server is at round {self.state.round + 1}")
         plan = begin_round(self.state)
@@ -285,8 +334,10 @@ class UserLevelDP(Strategy):
         ``timeout``: seconds to wait for one round's replies. ``train_config`` reaches every node in the
         message's ``"config"`` record. ``evaluate_fn(round, arrays)``: centralized evaluation (Flower's
         convention), before the first round and every ``evaluate_every`` rounds. Raises
-        ``fed_dp.server.membership.NoUsersError`` when no node hosts a user and
-        ``fed_dp.server.round_loop.NoRepliesError`` when replies stop; both before more budget is spent.
+        ``fed_dp.server.membership.NoUsersError`` when no node hosts a user,
+        ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes`` stay connected and
+        ``fed_dp.server.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
+        checkpoint resumable.
         """
         if evaluate_config:
             raise ValueError("UserLevelDP does not run federated evaluation (it would read users' data outside the "
@@ -295,6 +346,10 @@ class UserLevelDP(Strategy):
         if self.state is None:
             self._initialize(initial_arrays)
         self.summary()
+        self._grid, self.reply_timeout = grid, timeout
+        if self.checkpoint_dir is None and not in_simulation():
+            log.warning("server.checkpoint-dir is not set: a crash cannot be resumed, and the operator's diagnostics "
+                        "(which nodes failed or were late) are not kept")
         self._ensure_users(grid, timeout)
         result = DPResult()
         resuming = self.checkpoint_dir and Path(self.checkpoint_dir, COMMIT_NAME).exists()
@@ -304,9 +359,11 @@ class UserLevelDP(Strategy):
                 result.evaluate_metrics_serverapp[0] = initial
 
         def exchange(plan: RoundPlan) -> RoundReplies:
+            self._await_nodes(grid)  # the sampled cohort does not depend on this: nothing private is revealed
             messages, asked, unreachable = self._messages(plan, train_config)
-            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
-            return self._replies(plan, messages, replies, asked, unreachable)
+            started = time.perf_counter()
+            replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+            return self._replies(plan, messages, replies, asked, unreachable, time.perf_counter() - started)
 
         def evaluate(server_round: int, params: torch.Tensor) -> dict[str, float]:
             metrics = evaluate_fn(server_round, self.arrays(params))

@@ -1,14 +1,28 @@
-"""Which node hosts which users: wait for the nodes, ask each once, and refuse to start without users.
+"""Which node hosts which users, followed round by round as nodes leave, restart and return.
 
-A node may host one user or many (a data silo). The sampler draws user indices 0..N−1 from the whole
-population whatever the nodes; a sampled user that no connected node hosts counts as dropped (the round still
-releases with the fixed denominator B), so membership never changes the accounting.
+A node may host one user or many (a data silo). It is known by a **stable name** — its node config's ``name``,
+else its user ranges ("users 0-13") — not by the node id Flower gives it, which changes when a SuperNode
+restarts. Before every round :meth:`Membership.refresh` asks the SuperLink which node ids are connected (one
+cheap call, ``grid.get_node_ids()``, which lists only nodes whose heartbeat is current) and sends the user query
+only to ids it has not seen before:
+
+    a known id is missing        → its node is down: logged once, naming it; its users count as dropped
+    a new id answers with a name
+        that is known            → the node is back (restarted): logged once; its users are served again
+        that is new              → a node joined; its users must not overlap another node's
+    a new id does not answer     → asked again at the next refresh
+
+The sampler draws user indices 0..N−1 from the whole population whatever the nodes; a sampled user whose node
+is down counts as dropped (the round still releases with the fixed denominator B), so membership never changes
+the sampling or the accounting. Nothing here depends on who was sampled, so these events are public.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from flwr.serverapp import Grid
 
@@ -19,6 +33,34 @@ log = logging.getLogger("fed_dp.server")
 
 class NoUsersError(RuntimeError):
     """No connected node hosts any user: a run would spend its budget on noise alone."""
+
+
+class NotEnoughNodesError(RuntimeError):
+    """Fewer than ``server.min-nodes`` nodes stayed connected for longer than ``server.node-wait``."""
+
+
+@dataclass
+class Node:
+    """One hosting node: its stable ``name``, its ``users`` and its current node id (None while it is down)."""
+
+    name: str
+    users: tuple[int, ...]
+    node_id: int | None
+
+
+def format_users(users: Sequence[int]) -> str:
+    """Sorted user indices → "0-13,20,22-25" (the inverse of ``fed_dp.clients.node.parse_users``)."""
+    parts: list[str] = []
+    ordered = sorted(users)
+    start = previous = None
+    for user in [*ordered, None]:
+        if start is not None and (user is None or user != previous + 1):
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+            start = None
+        if user is not None and start is None:
+            start = user
+        previous = user
+    return ",".join(parts)
 
 
 def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float) -> list[int]:
@@ -34,37 +76,124 @@ def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float) -> list[int]:
         time.sleep(0.5)
 
 
-def discover_users(grid: Grid, nodes: list[int], num_users: int, timeout: float) -> dict[int, int]:
-    """user index → node id, from each node's answer to fed-dp's user query.
+class Membership:
+    """The user → node map of a run, refreshed before every round (module docstring).
 
-    A node that fails to answer is logged with its reason and hosts nobody; a user on two nodes, or outside
-    0..N−1, is an error. If no node hosts any user, :class:`NoUsersError` says which nodes failed and why
-    (typically a ClientApp without an ``@app.query()`` handler answering with ``fed_dp.query_reply``).
+    ``num_users``: N (answers must name users in 0..N−1); ``query_timeout``: seconds to wait for answers to
+    the user query.
     """
-    owner: dict[int, int] = {}
-    failures: list[str] = []
-    replies = list(grid.send_and_receive([protocol.users_query(n) for n in nodes], timeout=timeout))
-    answered = set()
-    for reply in replies:
-        node = reply.metadata.src_node_id
-        answered.add(node)
-        try:
-            users = protocol.parse_users_reply(reply, num_users)
-        except protocol.ReplyError as error:
-            failures.append(f"node {node}: {error}")
-            log.warning("user discovery: node %s hosts no users: %s", node, error)
-            continue
+
+    def __init__(self, num_users: int, query_timeout: float) -> None:
+        self.num_users, self.query_timeout = num_users, query_timeout
+        self.nodes: dict[str, Node] = {}
+        self.owner: dict[int, str] = {}  # user → node name
+        self._seen: set[int] = set()  # node ids that answered the user query (used, replaced or refused)
+        self._silent: set[int] = set()  # node ids that did not answer yet (logged once, asked again)
+
+    # --- reading ---------------------------------------------------------------------------------------------
+    def node_of(self, user: int) -> int | None:
+        """The node id serving ``user`` now; None if no connected node hosts it."""
+        name = self.owner.get(user)
+        return self.nodes[name].node_id if name is not None else None
+
+    def name_of(self, node_id: int) -> str:
+        """The stable name of a node id (the id itself when it is nobody's)."""
+        return next((node.name for node in self.nodes.values() if node.node_id == node_id), f"id {node_id}")
+
+    def connected(self) -> list[Node]:
+        return [node for node in self.nodes.values() if node.node_id is not None]
+
+    def hosted_users(self) -> int:
+        """Users on a connected node."""
+        return sum(len(node.users) for node in self.connected())
+
+    # --- discovery -----------------------------------------------------------------------------------------------
+    def start(self, grid: Grid, min_nodes: int, wait: float) -> None:
+        """Wait for ``min_nodes`` nodes, ask each once; :class:`NoUsersError` if none hosts a user."""
+        nodes = wait_for_nodes(grid, min_nodes, wait)
+        failures = self._ask(grid, nodes, at_start=True)
+        if not self.owner:
+            raise NoUsersError(
+                f"none of the {len(nodes)} connected node(s) hosts any user, so every round would release noise "
+                "only; nothing was trained and no privacy budget was spent. "
+                + ("; ".join(failures) if failures else "every node answered with an empty user list")
+                + ". Each ClientApp needs an @app.query() handler that answers fed_dp.query_reply(msg, users)")
+        log.info("%d SuperNode(s) host %d of the %d users", len(self.connected()), len(self.owner), self.num_users)
+
+    def refresh(self, grid: Grid) -> None:
+        """Follow the connected node ids (module docstring); logs departures, returns and joins once each."""
+        online = set(grid.get_node_ids())
+        for node in self.nodes.values():
+            if node.node_id is not None and node.node_id not in online:
+                log.warning("node '%s' (node id %d) left: its %d user(s) count as dropped when sampled, until it "
+                            "returns", node.name, node.node_id, len(node.users))
+                node.node_id = None
+        new = sorted(online - self._seen)
+        if new:
+            self._ask(grid, new, at_start=False)
+
+    def _ask(self, grid: Grid, node_ids: Sequence[int], *, at_start: bool) -> list[str]:
+        """Send the user query to ``node_ids``; record each answer. Returns the failures, one line each."""
+        failures: list[str] = []
+        answered: set[int] = set()
+        queries = [protocol.users_query(n) for n in node_ids]
+        replies = list(grid.send_and_receive(queries, timeout=self.query_timeout))
+        sent_to = protocol.destinations(queries)
+        for node_id, reply in sorted(((protocol.replying_node(r, sent_to), r) for r in replies), key=lambda p: p[0]):
+            if node_id not in node_ids or node_id in answered:
+                continue
+            answered.add(node_id)
+            try:
+                hosted = protocol.parse_users_reply(reply, self.num_users)
+            except protocol.ReplyError as error:
+                failures.append(f"node {node_id}: {error}")
+                log.warning("user query: node %s hosts no users: %s", node_id, error)
+                self._seen.add(node_id)
+                continue
+            self._seen.add(node_id)
+            self._silent.discard(node_id)
+            name = protocol.node_name(reply) or f"users {format_users(hosted)}"
+            self._place(name, tuple(sorted(hosted)), node_id, at_start=at_start)
+        for node_id in sorted(set(node_ids) - answered):
+            failures.append(f"node {node_id}: no answer within {self.query_timeout:.0f} s")
+            if node_id not in self._silent:
+                self._silent.add(node_id)
+                if not at_start:
+                    log.warning("node id %d is connected but did not answer the user query within %.0f s; it is "
+                                "asked again before the next round", node_id, self.query_timeout)
+        return failures
+
+    def _place(self, name: str, users: tuple[int, ...], node_id: int, *, at_start: bool) -> None:
+        """Record that ``node_id`` is the node ``name`` hosting ``users``."""
+        known = self.nodes.get(name)
+        if known is not None:
+            if known.users != users:
+                log.error("node id %d says it is node '%s' but hosts other users than that node did (%s, not %s); "
+                          "it is not used. Give each SuperNode its own name and user range", node_id, name,
+                          format_users(users), format_users(known.users))
+                return
+            if at_start:
+                raise ValueError(f"node '{name}' is connected twice (node ids {known.node_id} and {node_id}): "
+                                 "give every SuperNode a disjoint 'users' range and its own name")
+            was = f"was node id {known.node_id}" if known.node_id is not None else "it had left"
+            log.warning("node '%s' is back as node id %d (%s): its %d user(s) are served again", name, node_id, was,
+                        len(users))
+            known.node_id = node_id
+            return
+        taken: dict[str, list[int]] = {}
         for user in users:
-            if user in owner:
-                raise ValueError(f"user {user} is hosted by two nodes ({owner[user]} and {node}); give every "
-                                 "SuperNode a disjoint 'users' range")
-            owner[user] = node
-    for node in sorted(set(nodes) - answered):
-        failures.append(f"node {node}: no answer within {timeout:.0f} s")
-    if not owner:
-        raise NoUsersError(
-            f"none of the {len(nodes)} connected node(s) hosts any user, so every round would release noise "
-            "only; nothing was trained and no privacy budget was spent. "
-            + ("; ".join(failures) if failures else "every node answered with an empty user list")
-            + ". Each ClientApp needs an @app.query() handler that answers fed_dp.query_reply(msg, users)")
-    return owner
+            if user in self.owner:
+                taken.setdefault(self.owner[user], []).append(user)
+        if taken:
+            overlap = ", ".join(f"{format_users(shared)} of node '{other}'" for other, shared in sorted(taken.items()))
+            message = (f"node '{name}' (node id {node_id}) hosts users that other nodes host ({overlap}); give "
+                       "every SuperNode a disjoint 'users' range")
+            if at_start:
+                raise ValueError(message)
+            log.error("%s; it is not used", message)
+            return
+        self.nodes[name] = Node(name, users, node_id)
+        self.owner.update({user: name for user in users})
+        if not at_start and users:
+            log.warning("node '%s' joined as node id %d with %d user(s)", name, node_id, len(users))
+

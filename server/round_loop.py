@@ -38,13 +38,15 @@ from typing import Any
 import torch
 
 from fed_dp.accounting import BudgetExceededError
-from fed_dp.checkpoint import append_diagnostics, last_published, mark_published, resume, save_checkpoint
+from fed_dp.checkpoint import (append_diagnostics, last_published, mark_published, operator_log_file, resume,
+                               save_checkpoint)
 from fed_dp.context import in_simulation
 from fed_dp.round import Contribution, RoundPlan, ServerState, begin_round, finish_round
 
 log = logging.getLogger("fed_dp.server")
-#: Operator-only details of each round (which nodes failed, how many sampled users were dropped): not printed
-#: unless the operator attaches a handler; in a deployment they are also written to secret/diagnostics.jsonl.
+#: Operator-only details of each round (which nodes failed or were late, how many sampled users were dropped): not
+#: printed; in a deployment with a checkpoint folder they go to secret/operator.log (and, as numbers, to
+#: secret/diagnostics.jsonl), for the operator alone.
 private_log = logging.getLogger("fed_dp.private")
 private_log.propagate = False
 private_log.addHandler(logging.NullHandler())
@@ -61,7 +63,8 @@ class NoRepliesError(RuntimeError):
 class RoundReplies:
     """What came back for a plan: the contributions; ``metrics``, public numbers of the exchange (e.g. which
     training path ran); ``nonprivate``, what depends on who was sampled or on users' data outside the
-    mechanism: which nodes failed and why (``dropped``), counts, local training losses."""
+    mechanism: which nodes failed and why (``dropped``, with counts; ``failures``, without), counts, local
+    training losses."""
 
     contributions: list[Contribution]
     metrics: dict[str, float] = field(default_factory=dict)
@@ -134,6 +137,11 @@ def run_rounds(
                      state.ledger.epsilon)
             if records and last_published(checkpoint_dir) < records[-1]["round"]:
                 publish(records[-1])  # committed just before a crash, never handed out: the same record, once
+    operator_log = None
+    if checkpoint_dir and not simulated:
+        operator_log = logging.FileHandler(operator_log_file(checkpoint_dir), encoding="utf-8")
+        operator_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        private_log.addHandler(operator_log)
     stopped, empty = None, 0
     try:
         while state.round < rounds:
@@ -166,13 +174,16 @@ def run_rounds(
                 raise NoRepliesError(
                     f"no reply could be counted in the last {empty} rounds (up to round {plan.round + 1}); "
                     f"stopping before spending more privacy budget on noise alone (epsilon so far "
-                    f"{_format_epsilon(metrics['epsilon'])}). Why: {'; '.join(nonprivate.get('dropped', [])) or 'no replies'}. "
+                    f"{_format_epsilon(metrics['epsilon'])}). Why: {'; '.join(nonprivate.get('failures', [])) or 'no replies'}. "
                     "Fix the nodes and start the run again with the same checkpoint folder to resume")
             for problem in nonprivate.get("dropped", []):
                 private_log.warning("round %d: %s", plan.round + 1, problem)
             publish(metrics)
             phase("published", plan.round)
     finally:
+        if operator_log is not None:
+            private_log.removeHandler(operator_log)
+            operator_log.close()
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
             Path(checkpoint_dir, "results.json").write_text(json.dumps(records, indent=1, default=str))

@@ -8,13 +8,10 @@ and test_deployment.py; here messages are real ``flwr.app.Message`` objects pass
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from fed_dp.accounting import epsilon
 from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
@@ -30,55 +27,7 @@ from fed_dp.server.membership import NoUsersError
 from fed_dp.server.round_loop import NoRepliesError
 from fed_dp.simulations.builtin_tasks import heavy_tail_task
 from fed_dp.simulations.engine import train
-
-Handler = Callable[[Message], Message]
-
-
-@pytest.fixture(autouse=True)
-def server_identity():
-    """What a ServerApp process has when Flower runs it (instruction messages carry it)."""
-    before = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
-
-
-class InProcessGrid(Grid):
-    """Delivers each message to its node's handler in this process (a node that raises → an error reply)."""
-
-    def __init__(self, nodes: dict[int, Handler]) -> None:
-        self.nodes = nodes
-        self.sent: list[Message] = []
-
-    def set_run(self, run):  # pragma: no cover - not used by the strategy
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # pragma: no cover
-        raise NotImplementedError
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.nodes)
-
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        replies = []
-        for message in messages:
-            self.sent.append(message)
-            try:
-                replies.append(self.nodes[message.metadata.dst_node_id](message))
-            except Exception as error:  # what Flower does with a ClientApp that raises
-                replies.append(Message(Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message))
-        return replies
-
+from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)
 
 TASK = heavy_tail_task()  # 40 users, a linear model (d = 64·7)
 LOCAL = LocalTraining(batch_size=2, lr=0.5)
@@ -271,7 +220,7 @@ def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_us
         grid, model_arrays(initial_model(TASK, 4)[0]))
     counts = read_diagnostics(tmp_path)
     for record in counts:
-        assert all("node 101: total has shape (3,)" in p for p in record["dropped"])
+        assert all("node 'users 20-39' (id 101): total has shape (3,)" in p for p in record["dropped"])
         assert record["replied_users"] + record["dropped_users"] == record["cohort_size"]
     assert any(r["dropped"] for r in counts)
 
