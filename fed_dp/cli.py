@@ -151,13 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message."""
+    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message. A command
+    that returns an integer exits with it (``fed-dp submit``: 1 when the run failed)."""
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        code = args.run(args)
     except ValueError as error:
         parser.exit(2, f"fed-dp {args.command}: error: {error}\n")
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

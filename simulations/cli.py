@@ -158,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="real users send zero updates: measure the mechanism without the training's drift")
     audit.add_argument("--json", action="store_true", help="one JSON object per threat model, one per line")
     audit.set_defaults(run=_run_audit)
+    submit = commands.add_parser(
+        "submit", help="submit a Flower run to a SuperLink and exit 1 unless it completed",
+        description="Run `flwr run APP FEDERATION --stream` (the log is printed as it comes), then read the run's "
+        "status with `flwr ls`: exit 0 when it is finished:completed, 1 when it failed, was stopped or cannot be "
+        "read, with what to do (flwr run itself exits 0 even when the ServerApp failed).",
+    )
+    submit.add_argument("federation", nargs="?", default=None,
+                        help="the SuperLink connection in the flwr CLI's config (default: its default)")
+    submit.add_argument("--app", default=".", help="the Flower app folder (default: the current folder)")
+    submit.add_argument("--run-config", metavar='"KEY=VALUE ..."', help="run-config overrides, as for flwr run")
+    submit.set_defaults(run=_run_submit)
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
         description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "
@@ -166,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     _benchmark_arguments(benchmark)
     benchmark.set_defaults(run=_run_benchmark)
     return parser
+
+
+def _run_submit(args: argparse.Namespace) -> int:
+    from fed_dp.server.submit import main as submit
+
+    return submit(args.app, args.federation, args.run_config)
 
 
 def _benchmark_arguments(parser: argparse.ArgumentParser) -> None:
