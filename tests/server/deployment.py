@@ -15,7 +15,8 @@ process gets its own ``FLWR_HOME`` under the deployment folder (``~/.flwr`` is n
 SuperLink's working directory, so paths in the run config must be absolute.
 
 Facts of flwr 1.41 this relies on: the SuperLink serves its Fleet, Control and Runtime APIs on one HTTP(S)
-port with ``GET /health``; each SuperNode needs its own Runtime API ``--port``; ``flwr run --stream`` exits
+port with ``GET /health``; with ``--database`` its state (node ids, runs) survives a restart and the SuperNodes
+reconnect by themselves (without it they get 401 for their old ids and exit); each SuperNode needs its own Runtime API ``--port``; ``flwr run --stream`` exits
 0 even when the ServerApp fails, so the outcome is read with ``flwr ls --format json``.
 """
 
@@ -24,10 +25,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import ssl
 import subprocess
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,11 +38,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from fed_dp.accounting import epsilon, resolve_privacy
+from fed_dp.checkpoint import load_checkpoint
+from fed_dp.clients.task import build_task, initial_model
+from fed_dp.config import PrivacyConfig
+from fed_dp.round import begin_round, finish_round, init_server
+from fed_dp.run_config import RunConfig
 from fed_dp.server.local_simulation import format_run_config, free_port
+from fed_dp.server.submit import COMPLETED, RunOutcome, outcome, run_details
 
 REPO = Path(__file__).resolve().parents[2]
+#: ``pytestmark`` of the deployment tests: skipped, saying why, where the tools they need are missing.
+REQUIRES_TOOLS = [
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to create the TLS certificates"),
+    pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="ssh-keygen is needed for SuperNode keys"),
+    pytest.mark.skipif(shutil.which("flower-superlink") is None or shutil.which("flwr") is None,
+                       reason="the Flower executables (flower-superlink, flower-supernode, flwr) are not on PATH"),
+]
 CERTIFICATE_SCRIPT = REPO / "server" / "make_certificates.sh"
-COMPLETED = "finished:completed"
 
 
 def make_certificates(folder: Path, nodes: int = 0) -> Path:
@@ -170,17 +188,6 @@ def tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-@dataclass
-class RunResult:
-    """A finished ``flwr run --stream``: the CLI's exit code and output, the run id and its final status."""
-
-    returncode: int
-    output: str
-    run_id: int | None
-    status: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-
 class Deployment:
     """A SuperLink, its SuperNodes and the ``flwr`` CLI, all under one folder; see the module docstring."""
 
@@ -195,6 +202,7 @@ class Deployment:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.superlink: Process | None = None
+        self.superlinks: list[Process] = []  # every start, the running one last
         self.supernodes: list[Process] = []
         self.runs: list[Process] = []
         self._cli_home = self._home("cli")
@@ -238,7 +246,9 @@ class Deployment:
     # --- processes -----------------------------------------------------------------------------------------
 
     def superlink_command(self) -> list[str]:
-        command = ["flower-superlink", "--disable-runtime-dependency-installation", "--port", str(self.port)]
+        """The SuperLink with its state in ``folder/superlink/state.db`` (it survives a restart), on TLS."""
+        command = ["flower-superlink", "--disable-runtime-dependency-installation", "--port", str(self.port),
+                   "--database", str(self.folder / "superlink" / "state.db")]
         if self.certificates is None:
             return [*command, "--insecure"]
         command += ["--ssl-ca-certfile", str(self.certificates / "ca.crt"),
@@ -247,8 +257,11 @@ class Deployment:
         return [*command, "--enable-supernode-auth"] if self.auth else command
 
     def start_superlink(self, timeout: float = 60.0) -> Process:
-        """Start the SuperLink (working directory ``folder/superlink``) and wait until /health answers."""
-        self.superlink = self._start("superlink", self.superlink_command(), self.folder / "superlink")
+        """Start the SuperLink (working directory ``folder/superlink``) and wait until /health answers. Called
+        again after a stop, it restarts the SuperLink on the same port and database (its log: superlink-1, ...)."""
+        name = "superlink" if not self.superlinks else f"superlink-{len(self.superlinks)}"
+        self.superlink = self._start(name, self.superlink_command(), self.folder / "superlink")
+        self.superlinks.append(self.superlink)
         context = ssl.create_default_context(cafile=str(self.certificates / "ca.crt")) if self.certificates else None
         url = f"{'https' if self.certificates else 'http'}://{self.address}/health"
         deadline = time.monotonic() + timeout
@@ -288,9 +301,12 @@ class Deployment:
 
     # --- runs ----------------------------------------------------------------------------------------------
 
-    def submit(self, run_config: dict[str, Any]) -> Process:
-        """Start ``flwr run . <federation> --stream --run-config ...`` from the repository root."""
-        command = ["flwr", "run", ".", self.federation, "--stream", "--run-config", format_run_config(run_config)]
+    def submit(self, run_config: dict[str, Any], *, fed_dp: bool = False) -> Process:
+        """Start ``flwr run . <federation> --stream --run-config ...`` from the repository root; ``fed_dp``:
+        ``fed-dp submit <federation> --run-config ...`` instead (its exit status says whether the run completed)."""
+        overrides = format_run_config(run_config)
+        command = (["fed-dp", "submit", self.federation, "--run-config", overrides] if fed_dp else
+                   ["flwr", "run", ".", self.federation, "--stream", "--run-config", overrides])
         log = self.folder / "logs" / f"flwr-run-{len(self.runs)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as out:
@@ -299,44 +315,35 @@ class Deployment:
         self.runs.append(Process("flwr-run", popen, log))
         return self.runs[-1]
 
-    def finish(self, submitted: Process, timeout: float) -> RunResult:
-        """Wait for a submitted run's stream to end, then read the run's status with ``flwr ls``."""
+    def finish(self, submitted: Process, timeout: float) -> RunOutcome:
+        """Wait for a submitted run's stream to end, then read the run's status with ``flwr ls``
+        (``fed_dp.server.submit.outcome``, what ``fed-dp submit`` does)."""
         try:
             submitted.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             submitted.stop()
             raise TimeoutError(f"flwr run did not finish within {timeout:.0f} s\n{self.diagnostics()}") from None
-        output = submitted.output()
-        match = re.search(r"Successfully started run (\d+)", output)
-        run_id = int(match.group(1)) if match else None
-        details = self.run_details(run_id) if run_id is not None else {}
-        return RunResult(submitted.popen.returncode, output, run_id, details.get("status", "unknown"), details)
+        return outcome(submitted.popen.returncode, submitted.output(), self.federation, cwd=REPO,
+                       env=self._env(self._cli_home))
 
-    def run(self, run_config: dict[str, Any], timeout: float = 120.0) -> RunResult:
+    def run(self, run_config: dict[str, Any], timeout: float = 120.0) -> RunOutcome:
         """Submit a run and wait for it (see ``submit`` and ``finish``)."""
         return self.finish(self.submit(run_config), timeout)
 
     def run_details(self, run_id: int) -> dict[str, Any]:
         """The run's entry of ``flwr ls <federation> --run-id <id> --format json`` (status, elapsed, ...)."""
-        listed = self.flwr("ls", self.federation, "--run-id", str(run_id), "--format", "json")
-        try:
-            runs = json.loads(listed.stdout)["runs"]
-        except (json.JSONDecodeError, KeyError):
-            raise RuntimeError(f"flwr ls failed ({listed.returncode}): {listed.stdout}{listed.stderr}") from None
-        return next((run for run in runs if int(run["run-id"]) == run_id), {})
+        return run_details(run_id, self.federation, cwd=REPO, env=self._env(self._cli_home))
 
     # --- teardown ------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop every ``flwr run`` client still streaming, every SuperNode, then the SuperLink (process groups)."""
-        for process in [*self.runs, *self.supernodes]:
+        for process in [*self.runs, *self.supernodes, *self.superlinks]:
             process.stop()
-        if self.superlink is not None:
-            self.superlink.stop()
 
     def leftovers(self, wait: float = 10.0) -> dict[str, list[str]]:
         """Process name → live members of its group, after up to ``wait`` s; empty once all have exited."""
-        started = [p for p in [self.superlink, *self.supernodes, *self.runs] if p is not None]
+        started = [*self.superlinks, *self.supernodes, *self.runs]
         deadline = time.monotonic() + wait
         while True:
             alive = {p.name: members for p in started if (members := p.leftovers())}
@@ -358,3 +365,91 @@ def deployment(folder: Path, certificates: Path | None, **options: Any) -> Itera
         yield running
     finally:
         running.stop()
+
+
+# --- the run config of the deployment tests and the checks of what a run wrote -------------------------------
+
+USERS = ("0-13", "14-26", "27-39")  # task.users = 40, one disjoint range per SuperNode
+SEED = 1
+
+
+def run_config(checkpoint_dir: Path, rounds: int, **extra: Any) -> dict[str, Any]:
+    """The run-config overrides of these tests (everything else: pyproject.toml's defaults)."""
+    return {"run.seed": SEED, "privacy.rounds": rounds, "privacy.accountant": "rdp",
+            "server.checkpoint-dir": str(checkpoint_dir), "server.min-nodes": len(USERS), "server.reply-timeout": 30.0,
+            "client.device": "cpu", **extra}
+
+
+def pyproject_run_config() -> dict[str, Any]:
+    """[tool.flwr.app.config] flattened to the dotted keys the ServerApp receives."""
+    tables = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+    def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in table.items():
+            flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return flat
+
+    return flatten(tables)
+
+
+def expected_privacy(overrides: dict[str, Any]) -> PrivacyConfig:
+    """The mechanism of the run, built by hand from pyproject's values and checked against the ServerApp's parse."""
+    rounds = int(overrides["privacy.rounds"])
+    config = PrivacyConfig(num_users=40, expected_cohort=10, rounds=rounds, noise_multiplier=1.0, delta=1e-5,
+                           accountant=overrides["privacy.accountant"])
+    parsed = RunConfig.from_flat({**pyproject_run_config(), **overrides}).privacy.replace(num_users=40)
+    assert parsed == config, f"pyproject's run config no longer gives the PrivacyConfig these tests expect: {parsed}"
+    return config
+
+
+def uninterrupted_cohorts(overrides: dict[str, Any]) -> list[set[int]]:
+    """The users the ServerApp samples each round with run.seed, from fed_dp alone (no Flower, nobody drops)."""
+    run = RunConfig.from_flat({**pyproject_run_config(), **overrides})
+    privacy = resolve_privacy(run.privacy, 40)
+    params = initial_model(build_task(run.task), run.run.seed)[2]
+    state = init_server(privacy, run.optimizer.build(), params, seed=run.run.seed)
+    cohorts = []
+    for _ in range(privacy.rounds):
+        plan = begin_round(state)
+        cohorts.append(set(plan.cohort.tolist()))
+        state, _ = finish_round(state, plan, [])  # the cohorts do not depend on the replies
+    return cohorts
+
+
+def start_nodes(d: Deployment) -> dict[int, Any]:
+    """The SuperLink and one SuperNode per range of USERS; node id → SuperNode process once all connected."""
+    d.start_superlink()
+    return d.wait_for_nodes([d.start_supernode({"users": users}) for users in USERS])
+
+
+def assert_completed(result: RunOutcome, d: Deployment) -> None:
+    assert result.returncode == 0 and result.status == COMPLETED, (
+        f"run {result.run_id}: flwr run rc={result.returncode}, status {result.status!r} "
+        f"{result.details.get('status-details', '')}\n{d.diagnostics()}")
+
+
+def read_results(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    return json.loads((checkpoint_dir / "results.json").read_text())
+
+
+def logged_rounds(output: str, rounds: int) -> dict[int, float]:
+    """round (1-based) → ε from the ServerApp's "round t/T: epsilon ..., delta ..." log lines."""
+    pattern = rf"round (\d+)/{rounds}: epsilon ([0-9.]+), delta"
+    return {int(t): float(e) for t, e in re.findall(pattern, output)}
+
+
+def assert_ledger_is_uninterrupted(records: list[dict[str, Any]], config: PrivacyConfig, checkpoint_dir: Path) -> None:
+    """ε after every round is exactly dp_accounting's ε of t rounds, in results.json and in the checkpoint."""
+    assert [r["round"] for r in records] == list(range(config.rounds))
+    assert [r["epsilon"] for r in records] == [epsilon(config, t + 1) for t in range(config.rounds)]
+    ledger = load_checkpoint(checkpoint_dir)["state"]["ledger"]
+    assert PrivacyConfig(**ledger["config"]) == config
+    assert [r["epsilon"] for r in ledger["records"]] == [epsilon(config, t + 1) for t in range(config.rounds)]
+    assert all(set(r) == {"round", "epsilon"} for r in ledger["records"])  # the published ledger: no counts
+
+
+
+def load_checkpoint_when_written(folder: Path) -> dict[str, Any] | None:
+    """The checkpoint, or None while there is none (it is replaced atomically, never read half-written)."""
+    return load_checkpoint(folder)
