@@ -189,9 +189,10 @@ class UserLevelDP(Strategy):
             membership.start(grid, self.min_nodes, self.node_wait)
             self.membership = membership
 
-    def _await_nodes(self, grid: Grid) -> None:
-        """Before a round: follow nodes that left or came back; wait up to ``node_wait`` s while fewer than
-        ``min_nodes`` hosting nodes are connected, then stop with :class:`NotEnoughNodesError`."""
+    def _await_nodes(self, grid: Grid, released: int) -> None:
+        """Before a round (``released`` rounds so far): follow nodes that left or came back; wait up to
+        ``node_wait`` s while fewer than ``min_nodes`` hosting nodes are connected, then stop with
+        :class:`NotEnoughNodesError`."""
         self.membership.refresh(grid)
         if len(self.membership.connected()) >= self.min_nodes:
             return
@@ -209,7 +210,7 @@ class UserLevelDP(Strategy):
             f"only {len(self.membership.connected())} node(s) hosting users stayed connected for {self.node_wait:.0f} s "
             f"(server.node-wait); {self.min_nodes} are needed (server.min-nodes). Nodes down: "
             f"{', '.join(repr(n) for n in down) or 'none of the known ones'}. No round was released for this wait "
-            f"(the last released round is {self.state.round}). Restart the SuperNodes, then submit the run again "
+            f"(rounds released so far: {released}). Restart the SuperNodes, then submit the run again "
             "with the same server.checkpoint-dir to resume")
 
     def arrays(self, params: torch.Tensor) -> ArrayRecord:
@@ -359,7 +360,7 @@ class UserLevelDP(Strategy):
                 result.evaluate_metrics_serverapp[0] = initial
 
         def exchange(plan: RoundPlan) -> RoundReplies:
-            self._await_nodes(grid)  # the sampled cohort does not depend on this: nothing private is revealed
+            self._await_nodes(grid, plan.round)  # the sampled cohort does not depend on this: nothing private is revealed
             messages, asked, unreachable = self._messages(plan, train_config)
             started = time.perf_counter()
             replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
