@@ -290,7 +290,7 @@ class UserLevelDP(Strategy):
             self._initialize(arrays)
         self._grid = grid
         self._ensure_users(grid, timeout=self.reply_timeout)
-        self._await_nodes(grid)
+        self._await_nodes(grid, self.state.round)
         if server_round != self.state.round + 1:
             raise ValueError(f"configure_train for round {server_round}, but the server is at round {self.state.round + 1}")
         plan = begin_round(self.state)

@@ -81,6 +81,18 @@ class LoopResult:
     stopped: str | None = None  # why the run ended before its last round (the ε budget), else None
 
 
+def _why_no_replies(nonprivate: dict[str, Any], checkpoint_dir: str | None, simulated: bool) -> str:
+    """The reasons of the last empty round for NoRepliesError. In a deployment they stay in the operator's log:
+    which nodes were asked depends on who was sampled, and an exception's text reaches the run's public status."""
+    if simulated:
+        return f"Why: {'; '.join(nonprivate.get('failures', [])) or 'no replies'}"
+    if checkpoint_dir:
+        return f"Why, per node and round: {operator_log_file(checkpoint_dir)} (kept out of this message because " \
+               "which nodes were asked depends on who was sampled)"
+    return ("Why is not kept: set server.checkpoint-dir, and the operator's log of each node's failures is "
+            "written to its secret/operator.log")
+
+
 def _evaluate_now(round_index: int, rounds: int, eval_every: int) -> bool:
     return eval_every > 0 and ((round_index + 1) % eval_every == 0 or round_index + 1 == rounds)
 
@@ -168,16 +180,16 @@ def run_rounds(
                 if not simulated:
                     append_diagnostics(checkpoint_dir, {"round": plan.round, **nonprivate})
             phase("saved", plan.round)
+            for problem in nonprivate.get("dropped", []):
+                private_log.warning("round %d: %s", plan.round + 1, problem)
             sampled = nonprivate["cohort_size"] > 0
             empty = empty + 1 if sampled and nonprivate["replied_users"] == 0 else 0
             if empty >= max_empty_rounds:  # the failure path says why: the run is broken and stops here
                 raise NoRepliesError(
                     f"no reply could be counted in the last {empty} rounds (up to round {plan.round + 1}); "
                     f"stopping before spending more privacy budget on noise alone (epsilon so far "
-                    f"{_format_epsilon(metrics['epsilon'])}). Why: {'; '.join(nonprivate.get('failures', [])) or 'no replies'}. "
+                    f"{_format_epsilon(metrics['epsilon'])}). {_why_no_replies(nonprivate, checkpoint_dir, simulated)}. "
                     "Fix the nodes and start the run again with the same checkpoint folder to resume")
-            for problem in nonprivate.get("dropped", []):
-                private_log.warning("round %d: %s", plan.round + 1, problem)
             publish(metrics)
             phase("published", plan.round)
     finally:
