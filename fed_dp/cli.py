@@ -1,6 +1,7 @@
 """The ``fed-dp`` command: user-level ε of a planned run, and σ for a target ε.
 
     fed-dp epsilon   --num-users N --expected-cohort B --rounds T --noise-multiplier S --delta D [...]
+    fed-dp epsilon   ... --per-round [--json]      # ε after every round 1 … T (the ledger's schedule)
     fed-dp calibrate --epsilon E --num-users N --expected-cohort B --rounds T --delta D [...]
 
 Both build one PrivacyConfig, the same object that drives the sampler and the noise of a training run,
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, PrivacyConfig
 from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
 
@@ -106,8 +107,28 @@ def _print_text(config: PrivacyConfig, headline: str) -> None:
     print(f"  accountant  {config.accountant} (dp_accounting)")
 
 
+def _schedule_note(exact_rounds: Sequence[int], rounds: int) -> str:
+    if len(exact_rounds) == rounds:
+        return "exact at every round"
+    return (f"exact at {len(exact_rounds)} of {rounds} rounds; in between, the next exact round's value "
+            "(an upper bound)")
+
+
 def _run_epsilon(args: argparse.Namespace) -> None:
     config = _config(args, args.noise_multiplier)
+    if args.per_round:
+        schedule = epsilon_schedule(config)
+        if args.json:
+            print(json.dumps({"epsilon": list(schedule.epsilons), "exact_rounds": list(schedule.exact_rounds),
+                              "delta": config.delta, **_summary(config)}))
+            return
+        _print_text(config, f"user-level epsilon = {schedule.epsilons[-1]:.4f} at delta = {config.delta:g} "
+                            f"after {config.rounds} rounds")
+        print(f"  per round   {_schedule_note(schedule.exact_rounds, config.rounds)}")
+        exact = set(schedule.exact_rounds)
+        for t, eps in enumerate(schedule.epsilons, start=1):
+            print(f"{t:>8}  {eps:.4f}{'' if t in exact else '  (upper bound)'}")
+        return
     eps = epsilon(config)
     if args.json:
         print(json.dumps({"epsilon": eps, "delta": config.delta, **_summary(config)}))
@@ -144,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the user-level epsilon of a planned run (dp_accounting).",
     )
     _add_mechanism_arguments(eps, with_noise_multiplier=True)
+    eps.add_argument("--per-round", action="store_true",
+                     help="epsilon after every round 1..T (with --json: a list under \"epsilon\")")
     eps.set_defaults(run=_run_epsilon)
     cal = commands.add_parser(
         "calibrate", help="noise multiplier for a target epsilon",

@@ -63,7 +63,7 @@ from torch.nn import functional as F
 
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import LocalTraining
-from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.noise import Privatizer
@@ -156,17 +156,17 @@ def _sync(device: torch.device) -> None:
 
 
 def accounting_seconds(privacy: PrivacyConfig) -> float:
-    """Wall time of ε after every round 1..T from cold (the memo is cleared first); leaves it warm."""
+    """Wall time of the ε schedule (every round 1..T) from cold (the memos are cleared first); leaves it warm."""
     epsilon.cache_clear()
-    seconds, _ = _timed(lambda: [epsilon(privacy, t) for t in range(1, privacy.rounds + 1)])
+    epsilon_schedule.cache_clear()
+    seconds, _ = _timed(lambda: epsilon_schedule(privacy))
     return seconds
 
 
 def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: int, vectorized: bool | None,
                device: str = "cpu", chunk_size: int | None = None) -> dict[str, Any]:
     """One timed run of the in-process engine (DP-FedAvg, η = 1); ε is read from the warm memo."""
-    for t in range(1, privacy.rounds + 1):
-        epsilon(privacy, t)
+    epsilon_schedule(privacy)
     with simulation():
         optimizer = make_optimizer("dp-fedavg", lr=1.0)
     resolved = resolve_device(device)
@@ -432,8 +432,7 @@ def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, l
     clock starts."""
     task = w1_task(users=users, examples=spec.examples)
     privacy = replace(spec, rounds=rounds).privacy(cohort=cohort, users=users)
-    for t in range(1, rounds + 1):
-        epsilon(privacy, t)
+    epsilon_schedule(privacy)
     engine_run(task, replace(privacy, rounds=1), spec.training(), seed=spec.seed, vectorized=True, device=device)  # warm-up
     result = engine_run(task, privacy, spec.training(), seed=spec.seed, vectorized=True, device=device)
     rounds_seconds = sum(result["round_seconds"])

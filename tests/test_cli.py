@@ -90,6 +90,32 @@ def test_epsilon_text_output(capsys):
     assert "poisson" in out and "rdp" in out
 
 
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_per_round_json_is_the_whole_schedule(capsys, accountant):
+    result = run_json(capsys, ["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "14",
+                               "--noise-multiplier", "1.5", "--delta", "1e-5", "--accountant", accountant,
+                               "--per-round"])
+    values, exact = result["epsilon"], result["exact_rounds"]
+    assert len(values) == 14 and values == sorted(values)
+    assert exact == (list(range(1, 15)) if accountant == "rdp" else list(range(1, 11)) + [13, 14])
+    for t in range(1, 15):
+        direct = direct_epsilon(poisson_event(0.01, 1.5, t), accountant)
+        if t in exact:
+            assert values[t - 1] == direct, t
+        else:
+            assert values[t - 1] == values[12] > direct, t  # rounds 11, 12 report round 13's ε
+
+
+def test_epsilon_per_round_text_lists_every_round(capsys):
+    assert main(["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "12",
+                 "--noise-multiplier", "1.5", "--delta", "1e-5", "--per-round"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("    ")]
+    assert [int(r[0]) for r in rows] == list(range(1, 13))
+    assert [r[2:] for r in rows if len(r) > 2] == [["(upper", "bound)"]]  # round 11 only
+    assert f"{direct_epsilon(poisson_event(0.01, 1.5, 12), 'pld'):.4f}" in lines[0]
+
+
 @pytest.mark.parametrize("extra, event_of", [
     pytest.param(["--accountant", "rdp"], lambda s: poisson_event(0.01, s, 50), id="poisson-rdp"),
     pytest.param(["--sampler", "min-sep", "--noise", "bandmf", "--bands", "3", "--expected-cohort", "100"],
