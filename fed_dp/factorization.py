@@ -518,6 +518,32 @@ def _cache_path(cache_dir: str | os.PathLike | None, rounds: int, bands: int, mo
     return folder / f"toeplitz-T{rounds}-b{bands}-{_workload_key(momentum)}.json"
 
 
+def lbfgs_minimize(objective: Any, start: torch.Tensor, *, max_iter: int, tolerance_grad: float,
+                   tolerance_change: float) -> torch.Tensor:
+    """The point L-BFGS (strong Wolfe line search, history 20, float64) reaches from ``start`` on the
+    differentiable scalar ``objective``; used for the BandMF and the BLT strategies alike."""
+    free = start.clone().requires_grad_(True)
+    optimizer = torch.optim.LBFGS(
+        [free],
+        lr=1.0,
+        max_iter=max_iter,
+        max_eval=2 * max_iter,
+        tolerance_grad=tolerance_grad,
+        tolerance_change=tolerance_change,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = objective(free)
+        value.backward()
+        return value
+
+    optimizer.step(closure)
+    return free.detach()
+
+
 def _minimize_toeplitz_loss(rounds: int, bands: int, momentum: float, max_iter: int) -> tuple[torch.Tensor, float]:
     """L-BFGS (strong Wolfe) on toeplitz_loss from the sqrt-prefix-sum coefficients.
 
@@ -525,33 +551,15 @@ def _minimize_toeplitz_loss(rounds: int, bands: int, momentum: float, max_iter: 
     removes the flat direction and keeps the diagonal positive. Returns (c / ‖c‖, loss).
     """
     initial = sqrt_prefix_sum_coefs(bands)
-    free = initial[1:].clone().requires_grad_(True)
     one = torch.ones(1, dtype=_DTYPE)
 
     def loss_of(tail: torch.Tensor) -> torch.Tensor:
         return toeplitz_loss(torch.cat([one, tail]), rounds, momentum)
 
-    optimizer = torch.optim.LBFGS(
-        [free],
-        lr=1.0,
-        max_iter=max_iter,
-        max_eval=2 * max_iter,
-        tolerance_grad=1e-10,
-        tolerance_change=1e-13,
-        history_size=20,
-        line_search_fn="strong_wolfe",
-    )
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = loss_of(free)
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
+    free = lbfgs_minimize(loss_of, initial[1:], max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-13)
     with torch.no_grad():
-        best = torch.cat([one, free.detach()])
-        best_loss = float(loss_of(free.detach()))
+        best = torch.cat([one, free])
+        best_loss = float(loss_of(free))
         initial_loss = float(toeplitz_loss(initial, rounds, momentum))
     if not math.isfinite(best_loss) or best_loss > initial_loss:
         best, best_loss = initial, initial_loss
