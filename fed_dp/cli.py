@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
-from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, PrivacyConfig
+from fed_dp.blt import config_sensitivity_squared
+from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
 from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
 
 _SAMPLER_HELP = (
@@ -50,13 +52,22 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
     group.add_argument("--sampler", choices=SAMPLERS, default="poisson", help=_SAMPLER_HELP)
     group.add_argument(
         "--noise", choices=NOISES, default="independent",
-        help="independent Gaussian (default) or bandmf (banded matrix factorization; needs "
-        "--sampler cyclic-poisson or min-sep)",
+        help="independent Gaussian (default), bandmf (banded matrix factorization) or blt (buffered linear "
+        "Toeplitz; needs --buffers); the correlated ones need --sampler cyclic-poisson or min-sep",
     )
     group.add_argument(
         "--bands", type=int, default=1, metavar="b",
         help="bands of the BandMF strategy = groups of cyclic-poisson = required min-separation (default 1)",
     )
+    group.add_argument(
+        "--buffers", type=int, default=None, metavar="l",
+        help="buffers of the BLT strategy (--noise blt; its sensitivity, hence epsilon, depends on them)",
+    )
+    group.add_argument(
+        "--workload", choices=WORKLOADS, default="prefix-sum",
+        help="workload the BLT is optimized for (prefix-sum, or momentum with --momentum); BLT only changes epsilon",
+    )
+    group.add_argument("--momentum", type=float, default=0.0, metavar="mu", help="momentum of the momentum workload")
     group.add_argument(
         "--max-participations", type=int, default=None, metavar="k",
         help="min-sep only: participations per user to account for (default: ceil(T / (N // B)))",
@@ -75,9 +86,17 @@ def _config(args: argparse.Namespace, noise_multiplier: float) -> PrivacyConfig:
         sampler=args.sampler,
         noise=args.noise,
         bands=args.bands,
+        buffers=args.buffers,
         max_participations=args.max_participations,
         accountant=args.accountant,
+        workload=args.workload,
+        momentum=args.momentum,
     )
+
+
+def _blt_sensitivity(config: PrivacyConfig) -> float | None:
+    """sens_T of the config's BLT (its event is Gaussian(σ/sens_T)); None for the other noises."""
+    return math.sqrt(config_sensitivity_squared(config)[-1]) if config.noise == "blt" else None
 
 
 def _summary(config: PrivacyConfig) -> dict[str, Any]:
@@ -90,9 +109,11 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
         "expected_cohort": config.expected_cohort,
         "rounds": config.rounds,
         "bands": config.bands,
+        "buffers": config.buffers,
         "sampling_rate": config.sampling_rate,
         "max_participations": config.participations(),
         "neighboring_relation": neighboring_relation(config).name.lower(),
+        "blt_sensitivity": _blt_sensitivity(config),
         "dp_event": repr(dp_event(config)),
     }
 
@@ -101,9 +122,14 @@ def _print_text(config: PrivacyConfig, headline: str) -> None:
     print(headline)
     print(f"  sampler     {config.sampler}, rate {config.sampling_rate:.6g}, "
           f"adjacency: {_ADJACENCY[neighboring_relation(config)]}")
-    print(f"  noise       {config.noise} (bands {config.bands}), sigma = {config.noise_multiplier:.6g}")
+    shape = f"buffers {config.buffers}" if config.noise == "blt" else f"bands {config.bands}"
+    print(f"  noise       {config.noise} ({shape}), sigma = {config.noise_multiplier:.6g}")
     print(f"  population  N = {config.num_users}, expected cohort B = {config.expected_cohort}, "
           f"rounds T = {config.rounds}, participations per user <= {config.participations()}")
+    if config.noise == "blt":
+        print(f"  strategy    BLT optimized for min-separation {config.min_separation}: sensitivity of "
+              f"{math.ceil(config.rounds / config.min_separation)} participations {_blt_sensitivity(config):.4f} "
+              f"(BandMF's would be sqrt(k) = {math.sqrt(math.ceil(config.rounds / config.min_separation)):.4f})")
     print(f"  accountant  {config.accountant} (dp_accounting)")
 
 

@@ -90,6 +90,31 @@ def test_epsilon_text_output(capsys):
     assert "poisson" in out and "rdp" in out
 
 
+@pytest.mark.parametrize("sampler, extra", [("min-sep", []), ("cyclic-poisson", ["--bands", "5"])])
+def test_epsilon_with_blt_noise_uses_the_strategys_sensitivity(capsys, tmp_path, monkeypatch, sampler, extra):
+    """ε of --noise blt = dp_accounting's Gaussian(σ/sens_T), sens_T computed here from the dense C of the cached
+    strategy: ‖sum of the columns of the earliest pattern‖ (the maximum over patterns, tests/fed_dp/test_blt.py)."""
+    import numpy as np
+
+    from fed_dp.blt import BLTStrategy
+
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    argv = ["epsilon", "--num-users", "400", "--expected-cohort", "50", "--rounds", "60", "--noise-multiplier", "2",
+            "--delta", "1e-5", "--sampler", sampler, "--noise", "blt", "--buffers", "4", "--accountant", "rdp"] + extra
+    result = run_json(capsys, argv)
+    separation = 8 if sampler == "min-sep" else 5
+    (cached,) = tmp_path.iterdir()
+    assert cached.name == f"blt-T60-k4-m{separation}-prefix-sum.json"
+    payload = json.loads(cached.read_text())
+    C = BLTStrategy(tuple(payload["theta"]), tuple(payload["omega"]), 60).dense().numpy()
+    sens = float(np.linalg.norm(C[:, list(range(0, 60, separation))].sum(axis=1)))
+    assert result["blt_sensitivity"] == pytest.approx(sens, rel=1e-12) and sens > math.sqrt(60 / separation)
+    assert result["epsilon"] == pytest.approx(direct_epsilon(dp_accounting.GaussianDpEvent(2 / sens), "rdp"), rel=1e-9)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "blt (buffers 4)" in text and f"{sens:.4f}" in text
+
+
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_epsilon_per_round_json_is_the_whole_schedule(capsys, accountant):
     result = run_json(capsys, ["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "14",
@@ -158,6 +183,12 @@ INVALID = [
                   "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "min-sep",
                   "--max-participations", "2"],
                  ["max_participations"], id="min-sep-under-counted-k"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "30",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "min-sep", "--noise", "blt"],
+                 ["blt", "buffers"], id="blt-without-buffers"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "30",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--noise", "blt", "--buffers", "3"],
+                 ["blt", "min-sep"], id="blt-with-poisson"),
 ]
 
 

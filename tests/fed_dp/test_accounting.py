@@ -57,16 +57,26 @@ def test_reference_figure_poisson(accountant, expected):
 # ------------------------------------------------------------------------------------------------
 
 
-def _hand_event(cfg: PrivacyConfig, sigma: float):
-    """The §4 event of cfg's full run at multiplier ``sigma``, written out per sampler."""
-    T, N, B, b = cfg.rounds, cfg.num_users, cfg.expected_cohort, cfg.bands
+def _hand_event_at(cfg: PrivacyConfig, t: int):
+    """The §4 event after t rounds, written out per sampler (independent of fed_dp.sampling)."""
+    N, B, b, s = cfg.num_users, cfg.expected_cohort, cfg.bands, cfg.noise_multiplier
     if cfg.sampler == "poisson":
-        return poisson_event(B / N, sigma, T)
+        return poisson_event(B / N, s, t)
     if cfg.sampler == "cyclic-poisson":
-        return poisson_event(B * b / N, sigma, math.ceil(T / b))
+        return poisson_event(B * b / N, s, math.ceil(t / b))
     if cfg.sampler == "min-sep":
-        return dp_accounting.GaussianDpEvent(sigma / math.sqrt(math.ceil(T / (N // B))))
+        return dp_accounting.GaussianDpEvent(s / math.sqrt(math.ceil(t / (N // B))))
+    if cfg.sampler == "all":
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(s), t)
+    if cfg.sampler == "without-replacement":
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(N, B, dp_accounting.GaussianDpEvent(s / 2)), t)
     raise AssertionError(cfg.sampler)
+
+
+def _hand_event(cfg: PrivacyConfig, sigma: float):
+    """The §4 event of cfg's full run at multiplier ``sigma``."""
+    return _hand_event_at(cfg.replace(noise_multiplier=sigma), cfg.rounds)
 
 
 CALIBRATION_CASES = [
@@ -293,23 +303,6 @@ SCHEDULE_CONFIGS = [
                       noise="bandmf", bands=3), id="min-sep-bandmf"),
     pytest.param(dict(num_users=50, expected_cohort=50, rounds=25, noise_multiplier=4.0, sampler="all"), id="all"),
 ]
-
-
-def _hand_event_at(cfg: PrivacyConfig, t: int):
-    """The §4 event after t rounds, written out per sampler (independent of fed_dp.sampling)."""
-    N, B, b, s = cfg.num_users, cfg.expected_cohort, cfg.bands, cfg.noise_multiplier
-    if cfg.sampler == "poisson":
-        return poisson_event(B / N, s, t)
-    if cfg.sampler == "cyclic-poisson":
-        return poisson_event(B * b / N, s, math.ceil(t / b))
-    if cfg.sampler == "min-sep":
-        return dp_accounting.GaussianDpEvent(s / math.sqrt(math.ceil(t / (N // B))))
-    if cfg.sampler == "all":
-        return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(s), t)
-    if cfg.sampler == "without-replacement":
-        return dp_accounting.SelfComposedDpEvent(
-            dp_accounting.SampledWithoutReplacementDpEvent(N, B, dp_accounting.GaussianDpEvent(s / 2)), t)
-    raise AssertionError(cfg.sampler)
 
 
 @pytest.mark.parametrize("kwargs", SCHEDULE_CONFIGS + [pytest.param(
