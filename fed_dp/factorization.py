@@ -220,6 +220,11 @@ class BandedStrategy:
 
     @functools.cached_property
     def _inverse_row_sq_norms(self) -> torch.Tensor:
+        scaled = self._scaled_toeplitz()
+        if scaled is not None:
+            coefs, scales = scaled
+            h = _toeplitz_inverse_forward(coefs.numpy(), self.rounds)
+            return torch.from_numpy(np.cumsum(h**2)) / scales.square()
         rounds, bands = self.band.shape
         lags = bands - 1
         # Ring buffer of the last b − 1 rows of C⁻¹: row y_s lives in slot s mod (b − 1).
@@ -239,10 +244,27 @@ class BandedStrategy:
             sq_norms[t] = y @ y
         return sq_norms
 
+    def _scaled_toeplitz(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(c̃, s) with C = C̃·diag(s), C̃ banded Toeplitz with coefficients c̃, if C has that form (to 1e-12
+        relative), else None. ``toeplitz_strategy`` builds exactly this form (s = 1/D): c̃_r = C[r, 0] is column
+        0 and s_j = C[j, j]/c̃_0, so C[t, t − r] must equal c̃_r·s_{t−r}."""
+        rounds, bands = self.band.shape
+        coefs = torch.stack([self.band[r, r] for r in range(bands)])
+        scales = self.band[:, 0] / coefs[0]
+        expected = torch.zeros_like(self.band)
+        for r in range(bands):
+            expected[r:, r] = coefs[r] * scales[: rounds - r]
+        if torch.allclose(self.band, expected, rtol=1e-12, atol=0.0):
+            return coefs, scales
+        return None
+
     def inverse_row_sq_norms(self) -> torch.Tensor:
         """(T,) float64: ‖row t of C⁻¹‖², the noise-variance multiplier of round t.
 
-        Rows of Y = C⁻¹ follow the banded forward recurrence applied to the identity (ALGORITHMS.md §2),
+        For a column-normalized banded Toeplitz C = C̃·diag(s) (what ``toeplitz_strategy`` and
+        ``optimize_toeplitz`` build), C⁻¹ = diag(1/s)·C̃⁻¹ with C̃⁻¹ Toeplitz of coefficients h
+        (``toeplitz_inverse_coefs``), so ‖row t‖² = Σ_{n≤t} h_n² / s_t²: O(T·b). Any other banded C: rows of
+        Y = C⁻¹ follow the banded forward recurrence applied to the identity (ALGORITHMS.md §2),
         y_t = (e_t − Σ_{r=1}^{b−1} C[t, t−r]·y_{t−r}) / C[t, t], vectorized over the T columns: O(T²·b) time,
         O(T·b) memory, no dense inverse. Cached after the first call; a fresh copy is returned.
         """
