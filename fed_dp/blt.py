@@ -267,9 +267,14 @@ class BLTStrategy:
         impulse[0] = 1.0
         return signal.lfilter(denominator.numpy(), numerator.numpy(), impulse)
 
-    def inverse_row_sq_norms(self) -> torch.Tensor:
-        """(T,) float64: ‖row t of C⁻¹‖² = n_0²·Σ_{n≤t} h_n², the noise-variance multiplier of round t."""
+    @functools.cached_property
+    def _inverse_row_sq_norms(self) -> torch.Tensor:
         return torch.from_numpy(self.scale**2 * np.cumsum(self.inverse_coefs() ** 2))
+
+    def inverse_row_sq_norms(self) -> torch.Tensor:
+        """(T,) float64: ‖row t of C⁻¹‖² = n_0²·Σ_{n≤t} h_n², the noise-variance multiplier of round t. Cached
+        after the first call; a fresh copy is returned."""
+        return self._inverse_row_sq_norms.clone()
 
     def sensitivity_squared(self, separation: int) -> np.ndarray:
         """(T,) float64: sens_t(C)² for t = 1 … T under min-separation m = ``separation``, every participation
@@ -422,13 +427,19 @@ def _cached(rounds: int, buffers: int, separation: int, momentum: float, folder:
 
 def config_strategy(config: "PrivacyConfig", cache_dir: str | os.PathLike | None = None) -> BLTStrategy:
     """The BLT of a resolved config with noise 'blt': :func:`optimize_blt` for (T, ℓ = ``buffers``, the
-    sampler's min-separation m, workload), memoized in the process and cached on disk. The privatizer's
+    sampler's min-separation m capped at T, workload), memoized in the process and cached on disk. The privatizer's
     noise and the accounting event both come from this one strategy."""
     if config.noise != "blt":
         raise ValueError(f"config.noise is {config.noise!r}; a BLT strategy exists for noise 'blt' only")
     config.require_resolved("the BLT strategy")  # the min-separation of min-sep needs N
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return _cached(config.rounds, config.buffers, config.min_separation, config.workload_momentum, str(folder))
+    return _cached(config.rounds, config.buffers, _separation(config), config.workload_momentum, str(folder))
+
+
+def _separation(config: "PrivacyConfig") -> int:
+    """The sampler's min-separation m, capped at T: with m ≥ T one participation fits in every prefix, so every
+    such m gives the same objective and sensitivity (and one cache file)."""
+    return min(config.min_separation, config.rounds)
 
 
 @functools.lru_cache(maxsize=32)
@@ -439,4 +450,4 @@ def _cached_sensitivity(strategy: BLTStrategy, separation: int) -> tuple[float, 
 def config_sensitivity_squared(config: "PrivacyConfig") -> tuple[float, ...]:
     """sens_t(C)² for t = 1 … T of the config's BLT under its sampler's min-separation (memoized): what
     the accounting event after t rounds, Gaussian(σ/sens_t), uses."""
-    return _cached_sensitivity(config_strategy(config), config.min_separation)
+    return _cached_sensitivity(config_strategy(config), _separation(config))

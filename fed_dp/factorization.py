@@ -43,6 +43,7 @@ __all__ = [
     "prefix_sum_workload",
     "momentum_workload",
     "strategy_loss",
+    "banded_error",
     "toeplitz_inverse_coefs",
     "toeplitz_loss",
     "sqrt_prefix_sum_coefs",
@@ -397,6 +398,22 @@ def strategy_loss(C: torch.Tensor, A: torch.Tensor) -> float:
     sens = torch.linalg.vector_norm(C, dim=0).max()
     A_C_inv = torch.linalg.solve_triangular(C, A, upper=False, left=False)
     return float(sens**2 * A_C_inv.square().sum() / C.shape[0])
+
+
+def banded_error(strategy: BandedStrategy, *, separation: int, momentum: float = 0.0) -> float:
+    """sens² · (1/T)·‖A C⁻¹‖_F² with every participation min-separation m allows: sens² = ⌈T/m⌉.
+
+    Columns of a b-banded, column-normalized C that are m ≥ b apart have disjoint supports and unit norms
+    (ALGORITHMS §2), so ⌈T/m⌉ participations have sens² = ⌈T/m⌉; a separation below b is refused. The same
+    figure as ``fed_dp.blt.blt_error`` for a BLT, so the two compare at equal ε. Dense (``strategy_loss``):
+    for T up to a few thousand.
+    """
+    separation = _check_int("separation", separation, 1)
+    if separation < strategy.bands:
+        raise ValueError(f"separation (the min-separation m = {separation}) must be >= bands (b = {strategy.bands}): "
+                         "BandMF's sensitivity √⌈T/m⌉ needs participations at least b rounds apart")
+    workload = momentum_workload(strategy.rounds, _check_momentum(momentum))
+    return math.ceil(strategy.rounds / separation) * strategy_loss(strategy.dense(), workload)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -438,3 +438,17 @@ def test_to_dict_from_dict_exact_round_trip():
     assert torch.equal(restored.band, strategy.band)
     with pytest.raises(ValueError, match="shape"):
         BandedStrategy.from_dict({**strategy.to_dict(), "rounds": 16})
+
+
+def test_banded_error_is_k_times_the_dense_loss_and_needs_separation_at_least_b(tmp_path):
+    from fed_dp.factorization import banded_error
+
+    strategy = optimize_toeplitz(40, 4, cache_dir=tmp_path)
+    C = strategy.dense().numpy()
+    for separation, k in ((4, 10), (7, 6), (40, 1)):
+        for momentum in (0.0, 0.5):
+            expected = k * ref_loss(C, ref_workload(40, momentum))  # unit columns m ≥ b apart: sens² = k
+            assert banded_error(strategy, separation=separation, momentum=momentum) == pytest.approx(expected, rel=1e-10)
+    assert banded_error(identity_strategy(40), separation=1) == pytest.approx(40 * 41 / 2)  # C = I: T·‖A‖²/T
+    with pytest.raises(ValueError, match="must be >= bands"):
+        banded_error(strategy, separation=3)
