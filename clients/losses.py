@@ -3,7 +3,8 @@
 | loss | batch | model output | value |
 |---|---|---|---|
 | :func:`classification` | ``(inputs, labels)``, integer labels (b,) | logits (b, classes) | mean cross-entropy |
-| :func:`next_token` | ``(tokens,)`` integer (b, L) | logits (b, L − 1, vocabulary) for ``tokens[:, :-1]`` | mean cross-entropy of each next token |
+| :func:`next_token` | ``(tokens,)`` integer (b, L), or ``(tokens, mask)`` | logits (b, L − 1, vocabulary) for ``tokens[:, :-1]`` | mean cross-entropy of each (masked-in) next token |
+| :func:`multi_label` | ``(inputs, targets)``, float multi-hot targets (b, labels) | logits (b, labels) | mean binary cross-entropy |
 | :func:`regression` | ``(inputs, targets)``, floating-point targets | the targets' shape (or with a trailing 1) | mean squared error |
 
 Each checks what it can from shapes and dtypes and says what is wrong and what to use instead: a float target
@@ -21,7 +22,7 @@ from torch.nn import functional as F
 
 from fed_dp.clients.task import Batch
 
-__all__ = ["classification", "next_token", "regression"]
+__all__ = ["classification", "multi_label", "next_token", "regression"]
 
 
 def _pair(batch: Batch, loss: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,19 +50,49 @@ def classification(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def next_token(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Next-token language modelling: logits = ``model(tokens[:, :-1])`` of shape (b, L − 1, V), mean
-    cross-entropy against ``tokens[:, 1:]``. A batch is ``(tokens,)`` with integer tokens (b, L), L ≥ 2."""
-    if isinstance(batch, dict) or len(batch) != 1:
-        raise ValueError("the next-token loss takes batches (tokens,): each user's examples must be one integer "
-                         "tensor of token sequences (examples, sequence length)")
-    tokens = batch[0]
-    if tokens.dtype.is_floating_point or tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise ValueError(f"the next-token loss needs integer tokens of shape (batch, length >= 2), got "
-                         f"{tuple(tokens.shape)} of dtype {tokens.dtype}")
+    cross-entropy against ``tokens[:, 1:]``. A batch is ``(tokens,)`` with integer tokens (b, L), L ≥ 2, or
+    ``(tokens, mask)`` with a float mask (b, L) that weights each target token (1 = scored, 0 = not: padding,
+    or the prompt of conditional generation); the loss is then the mean over the scored tokens."""
+    tokens, mask = _tokens_and_mask(batch)
     logits = model(tokens[:, :-1])
     if logits.ndim != 3 or tuple(logits.shape[:2]) != (tokens.shape[0], tokens.shape[1] - 1):
         raise ValueError(f"the model's outputs of shape {tuple(logits.shape)} do not fit the next-token loss: for "
                          f"inputs of shape {tuple(tokens[:, :-1].shape)} it needs logits (batch, length, vocabulary)")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
+    if mask is None:
+        return losses.mean()
+    weights = mask[:, 1:].reshape(-1).to(losses.dtype)
+    return (losses * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def _tokens_and_mask(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(batch, dict) or len(batch) not in (1, 2):
+        raise ValueError("the next-token loss takes batches (tokens,) or (tokens, mask): each user's examples must "
+                         "be an integer tensor of token sequences (examples, sequence length), optionally with a "
+                         "float mask of the same shape marking the target tokens")
+    tokens = batch[0]
+    if tokens.dtype.is_floating_point or tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"the next-token loss needs integer tokens of shape (batch, length >= 2), got "
+                         f"{tuple(tokens.shape)} of dtype {tokens.dtype}")
+    mask = batch[1] if len(batch) == 2 else None
+    if mask is not None and (mask.shape != tokens.shape or not mask.dtype.is_floating_point):
+        raise ValueError(f"the next-token mask must be a float tensor of the tokens' shape {tuple(tokens.shape)}, "
+                         f"got {tuple(mask.shape)} of dtype {mask.dtype}")
+    return tokens, mask
+
+
+def multi_label(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Multi-label classification (FLAIR): mean over examples and labels of the binary cross-entropy of logits
+    ``model(inputs)`` (batch, labels) against float multi-hot ``targets`` (batch, labels) in {0, 1}."""
+    inputs, targets = _pair(batch, "multi-label")
+    if not targets.dtype.is_floating_point or targets.ndim != 2:
+        raise ValueError(f"the multi-label loss needs float multi-hot targets (batch, labels), got "
+                         f"{tuple(targets.shape)} of dtype {targets.dtype}")
+    logits = model(inputs)
+    if logits.shape != targets.shape:
+        raise ValueError(f"the model's outputs of shape {tuple(logits.shape)} do not fit multi-hot targets of shape "
+                         f"{tuple(targets.shape)}: it needs one logit per label")
+    return F.binary_cross_entropy_with_logits(logits, targets)
 
 
 def regression(model: nn.Module, batch: Batch) -> torch.Tensor:

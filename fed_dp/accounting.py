@@ -388,10 +388,10 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """One released round: its index (0-based), cohort size, and ε after it."""
+    """One released round: its index (0-based) and ε after it (no cohort size: it is computed from the
+    population, outside the accounted release, and is not part of what the ledger publishes)."""
 
     round: int
-    cohort_size: int
     epsilon: float
 
 
@@ -443,11 +443,9 @@ class PrivacyLedger:
             )
         return next_epsilon
 
-    def record_round(self, cohort_size: int) -> RoundRecord:
+    def record_round(self) -> RoundRecord:
         """Account for one released round (after ``check_next_round`` passed) and return its record."""
-        if not (isinstance(cohort_size, int) and cohort_size >= 0):
-            raise ValueError(f"cohort_size must be an integer >= 0, got {cohort_size!r}")
-        record = RoundRecord(self.rounds, cohort_size, self.check_next_round())
+        record = RoundRecord(self.rounds, self.check_next_round())
         self._records.append(record)
         return record
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fed_dp.config import PrivacyConfig
-from fed_dp.sampling import entropy_seed
+from fed_dp.randomness import make_noise_source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,24 +75,28 @@ def next_clip_norm(clip_norm: float, unclipped_fraction: float, config: Adaptive
 
 
 class AdaptiveClipper:
-    """Explicit state of adaptive clipping: the current ζ_t and the generator of the bit noise."""
+    """Explicit state of adaptive clipping: the current ζ_t (public: it is broadcast) and the noise source of
+    the bit noise (secret, like the update noise's; ``source`` as for ``fed_dp.noise.Privatizer``)."""
 
-    def __init__(self, config: AdaptiveClipConfig, expected_cohort: int, seed: int | None = None) -> None:
+    def __init__(self, config: AdaptiveClipConfig, expected_cohort: int, seed: int | None = None,
+                 source: str = "torch") -> None:
         if not (isinstance(expected_cohort, int) and expected_cohort >= 1):
             raise ValueError(f"expected_cohort must be an integer >= 1, got {expected_cohort!r}")
         self.config = config
         self.expected_cohort = expected_cohort
         self.clip_norm = float(config.initial_clip_norm)
-        self.seed = entropy_seed() if seed is None else int(seed)
-        self._generator = torch.Generator().manual_seed(self.seed)
+        self._source = make_noise_source(source, seed)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a ``"torch"`` noise source (None for the secure source)."""
+        return getattr(self._source, "seed", None)
 
     def noisy_unclipped_fraction(self, bit_sum: int, count: int) -> float:
         """b̃_t = (Σ(b_i − ½) + N(0, σ_b²))/B + ½ from the bit sum and the number of replies."""
         if not 0 <= bit_sum <= count:
             raise ValueError(f"bit_sum must be in [0, count = {count}], got {bit_sum}")
-        noise = self.config.bit_noise_std * float(
-            torch.randn((), generator=self._generator, dtype=torch.float64)
-        )
+        noise = self.config.bit_noise_std * float(self._source.normal(1, torch.float64)[0])
         return (bit_sum - count / 2 + noise) / self.expected_cohort + 0.5
 
     def step(self, bit_sum: int, count: int) -> float:
@@ -102,9 +106,8 @@ class AdaptiveClipper:
         return self.clip_norm
 
     def state_dict(self) -> dict[str, Any]:
-        return {"clip_norm": self.clip_norm, "seed": self.seed, "generator_state": self._generator.get_state().clone()}
+        return {"clip_norm": self.clip_norm, "source": self._source.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clip_norm = float(state["clip_norm"])
-        self.seed = int(state["seed"])
-        self._generator.set_state(state["generator_state"])
+        self._source.load_state_dict(state["source"])

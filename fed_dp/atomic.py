@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import IO
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
-    """Call ``write(binary_handle)`` on a temporary file and move it to ``path`` atomically."""
+def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, mode: int | None = None) -> Path:
+    """Call ``write(binary_handle)`` on a temporary file and move it to ``path`` atomically; ``mode`` sets its
+    permissions before any byte is written (0o600 for secrets: never readable by others, not even briefly)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False)
     try:
         with handle:
+            if mode is not None:
+                os.chmod(handle.name, mode)
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

@@ -20,19 +20,13 @@ from typing import Any
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
 from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
-from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
+from fed_dp.sampling import dp_event, guarantee, neighboring_relation
 
 _SAMPLER_HELP = (
     "user sampler: poisson (each user with q = B/N; default), without-replacement (exactly B of N; "
     "needs --accountant rdp), all (every user every round; B = N), cyclic-poisson (users hashed into "
     "--bands groups, one group per round at q = B*b/N), min-sep (fixed groups of B users in turn)"
 )
-
-
-_ADJACENCY = {
-    NeighboringRelation.ADD_OR_REMOVE_ONE: "add or remove one user",
-    NeighboringRelation.REPLACE_ONE: "replace one user",
-}
 
 
 def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_multiplier: bool) -> None:
@@ -113,6 +107,7 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
         "sampling_rate": config.sampling_rate,
         "max_participations": config.participations(),
         "neighboring_relation": neighboring_relation(config).name.lower(),
+        "guarantee": guarantee(config),
         "blt_sensitivity": _blt_sensitivity(config),
         "dp_event": repr(dp_event(config)),
     }
@@ -121,7 +116,7 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
 def _print_text(config: PrivacyConfig, headline: str) -> None:
     print(headline)
     print(f"  sampler     {config.sampler}, rate {config.sampling_rate:.6g}, "
-          f"adjacency: {_ADJACENCY[neighboring_relation(config)]}")
+          f"adjacency: {guarantee(config)}")
     shape = f"buffers {config.buffers}" if config.noise == "blt" else f"bands {config.bands}"
     print(f"  noise       {config.noise} ({shape}), sigma = {config.noise_multiplier:.6g}")
     print(f"  population  N = {config.num_users}, expected cohort B = {config.expected_cohort}, "

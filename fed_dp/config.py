@@ -111,7 +111,8 @@ class PrivacyConfig:
             _require(
                 _is_real(self.noise_multiplier) and self.noise_multiplier > 0,
                 f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier!r} "
-                "(a run without noise is not private; give target_epsilon to have σ calibrated)",
+                "(a run without noise is not private; give target_epsilon to have σ calibrated; only "
+                "`fed-dp audit` takes 0, to audit a run without noise)",
             )
         else:
             _require(

@@ -103,6 +103,7 @@ def joint_privatizer(
     seed: int | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    source: str = "torch",
 ) -> Privatizer:
     """The privatizer of the joint query: dimension 2d, noise std σ·Δ with Δ for the config's adjacency.
 
@@ -110,4 +111,5 @@ def joint_privatizer(
     usual one Gaussian with multiplier σ per round.
     """
     std, _ = noise_stds(config.noise_multiplier, config.clip_norm, alpha, neighboring_relation(config), dim)
-    return Privatizer(make_strategy(config), noise_std=std, dim=2 * dim, seed=seed, device=device, dtype=dtype)
+    return Privatizer(make_strategy(config), noise_std=std, dim=2 * dim, seed=seed, device=device, dtype=dtype,
+                      source=source)

@@ -34,8 +34,8 @@ import torch
 
 from fed_dp.blt import BLTStrategy, config_strategy
 from fed_dp.config import PrivacyConfig
-from fed_dp.sampling import entropy_seed
 from fed_dp.factorization import BandedStrategy, optimize_toeplitz
+from fed_dp.randomness import make_noise_source
 
 Strategy = BandedStrategy | BLTStrategy
 
@@ -100,12 +100,16 @@ class Privatizer:
         strategy: the BandMF or BLT strategy C, or ``None`` for independent Gaussian noise (C = I, no horizon).
         noise_std: σ·ζ, the noise std on the sum for one participation (times the row norm of C⁻¹).
         dim: d, the length of the flat update vector.
-        seed: generator seed; ``None`` draws one from OS entropy (``seeded_explicitly`` tells which).
+        seed: generator seed of the ``"torch"`` source; ``None`` draws one from OS entropy
+            (``seeded_explicitly`` tells which).
         device, dtype: where and in which precision the noise and the buffers live.
+        source: where Z comes from (``fed_dp.randomness``): ``"torch"`` (a seeded ``torch.Generator``) or
+            ``"secure"`` (AES-256-CTR keyed from OS entropy; takes no seed).
 
     State: ``index`` (the next step t), the buffers (BandMF: the last b−1 unit-scale outputs; BLT: the ℓ
-    unit-scale S_j) and the generator state. ``state_dict``/``load_state_dict`` restore them exactly, so a
-    resumed run continues the same noise stream and never reuses a noise vector.
+    unit-scale S_j) and the noise source's state. ``state_dict``/``load_state_dict`` restore them exactly,
+    so a resumed run continues the same noise stream and never reuses a noise vector. The state is a secret
+    of the server: whoever holds it can subtract the noise.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class Privatizer:
         seed: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        source: str = "torch",
     ) -> None:
         if not (isinstance(noise_std, (int, float)) and noise_std > 0 and noise_std != float("inf")):
             raise ValueError(f"noise_std (σ·ζ) must be a finite number > 0, got {noise_std!r}")
@@ -131,16 +136,20 @@ class Privatizer:
         self.dim = dim
         self.device = torch.device(device)
         self.dtype = dtype
-        self.seed = entropy_seed() if seed is None else int(seed)
+        self._source = make_noise_source(source, seed, self.device)
         self.seeded_explicitly = seed is not None
         self.index = 0
-        self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
         if strategy is None:
             self._stream = None
         elif isinstance(strategy, BLTStrategy):
             self._stream = _BLTStream(strategy, dim, self.device, dtype)
         else:
             self._stream = _BandedStream(strategy, dim, self.device, dtype)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a ``"torch"`` noise source (None for the secure source, which has a key instead)."""
+        return getattr(self._source, "seed", None)
 
     @property
     def bands(self) -> int:
@@ -168,7 +177,7 @@ class Privatizer:
         """w_t = std·[C⁻¹Z]_t for the current t, a fresh d-vector; updates the buffers and advances the index."""
         t = self.index
         self._check_step(t)
-        z = torch.randn(self.dim, generator=self._generator, device=self.device, dtype=self.dtype)
+        z = self._source.normal(self.dim, self.dtype)
         if self._stream is None:
             noise = z.mul_(std)
         else:
@@ -220,11 +229,10 @@ class Privatizer:
             "strategy": strategy_fingerprint(self.strategy),
             "noise_std": self.noise_std,
             "dim": self.dim,
-            "seed": self.seed,
             "seeded_explicitly": self.seeded_explicitly,
             "index": self.index,
             "buffer": buffer.detach().cpu().clone(),
-            "generator_state": self._generator.get_state().clone(),
+            "source": self._source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -250,12 +258,11 @@ class Privatizer:
         expected = (0, self.dim) if self._stream is None else tuple(self._stream.buffer.shape)
         if tuple(buffer.shape) != expected:
             raise ValueError(f"privatizer buffer has shape {tuple(buffer.shape)}, expected {expected}")
-        self.seed = int(state["seed"])
         self.seeded_explicitly = bool(state["seeded_explicitly"])
         self.index = int(state["index"])
         if self._stream is not None:
             self._stream.buffer.copy_(buffer.to(self.device, self.dtype))
-        self._generator.set_state(state["generator_state"])
+        self._source.load_state_dict(state["source"])
 
 
 def make_strategy(config: PrivacyConfig, cache_dir: str | None = None) -> Strategy | None:
@@ -278,8 +285,10 @@ def make_privatizer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     strategy: Strategy | None = None,
+    source: str = "torch",
 ) -> Privatizer:
-    """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given).
+    """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given); ``source``:
+    the noise source (``fed_dp.randomness``).
 
     A given BandMF strategy must match the config's T and b (any column-normalized b-banded C has the
     accounted sensitivity). A given BLT strategy must be the config's own (``make_strategy``): the
@@ -308,4 +317,5 @@ def make_privatizer(
         seed=seed,
         device=device,
         dtype=dtype,
+        source=source,
     )

@@ -28,7 +28,7 @@ Variants (seed papers in ../shared/seeds):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -124,6 +124,12 @@ class ServerOptimizer:
     def scale(self, state: OptimizerState) -> torch.Tensor | None:
         """s_t to broadcast before round t (scale-then-privatize); None when not used."""
         return None
+
+    def describe(self) -> str:
+        """The class and the fields that differ from its defaults, e.g. ``Adam(lr=0.05, bias_correction=True)``."""
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                   if f.compare and getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(changed)})"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ from fed_dp.diagnostics import alignment_ratio
 from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
 from fed_dp.noise import Privatizer, make_privatizer
 from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
+from fed_dp.randomness import derive_seed
 from fed_dp.sampling import Sampler, make_sampler
 
 #: Relative slack when checking a reply's norm against count·ζ (float32 rounding of an honest clip).
@@ -83,24 +84,39 @@ class ServerState:
     ledger: PrivacyLedger
     round: int = 0
     clipper: AdaptiveClipper | None = None
+    pending: RoundPlan | None = None  # the plan begun and not yet finished (a second begin_round is refused)
 
     def state_dict(self) -> dict[str, Any]:
+        """What may be published: the round, the model, the optimizer state, the ε ledger (ε per round; no
+        counts of sampled or replying users) and the current clip norm ζ_t (it is broadcast anyway)."""
         return {
             "round": self.round,
             "params": self.params.detach().cpu().clone(),
             "opt_state": self.opt_state._asdict(),
+            "ledger": self.ledger.to_dict(),
+            "clip_norm": None if self.clipper is None else self.clipper.clip_norm,
+        }
+
+    def secret_state_dict(self) -> dict[str, Any]:
+        """What must stay with the server: the noise stream (source state and BandMF buffer), the sampler
+        (seed, generator: every cohort) and the clip-bit noise. Its holder can remove the noise."""
+        return {
+            "round": self.round,
             "privatizer": self.privatizer.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "ledger": self.ledger.to_dict(),
             "clipper": None if self.clipper is None else self.clipper.state_dict(),
         }
 
-    def load_state_dict(self, data: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: same model, optimizer state, noise stream, cohorts and ledger.
+    def load_state_dict(self, data: dict[str, Any], secret: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` and ``secret_state_dict()`` of the same round: same model, optimizer
+        state, noise stream, cohorts and ledger.
 
         The noise stream continues where it stopped (never reusing a noise vector); the configuration
         must be the one the checkpoint was written with.
         """
+        if int(secret["round"]) != int(data["round"]):
+            raise ValueError(f"the checkpoint is of round {data['round']} but its secret state of round "
+                             f"{secret['round']}; they were not written together, refusing to resume")
         ledger = PrivacyLedger.from_dict(data["ledger"])
         if ledger.config != self.config:
             raise ValueError("the checkpoint was written with another privacy configuration; refusing to resume")
@@ -112,14 +128,15 @@ class ServerState:
         self.opt_state = OptimizerState(
             **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data["opt_state"].items()}
         )
-        self.privatizer.load_state_dict(data["privatizer"])
-        self.sampler.load_state_dict(data["sampler"])
+        self.privatizer.load_state_dict(secret["privatizer"])
+        self.sampler.load_state_dict(secret["sampler"])
         self.ledger = ledger
         self.round = int(data["round"])
-        if (self.clipper is None) != (data.get("clipper") is None):
+        self.pending = None
+        if (self.clipper is None) != (secret.get("clipper") is None):
             raise ValueError("the checkpoint and this run disagree on adaptive clipping; refusing to resume")
         if self.clipper is not None:
-            self.clipper.load_state_dict(data["clipper"])
+            self.clipper.load_state_dict(secret["clipper"])
 
 
 def init_server(
@@ -130,8 +147,13 @@ def init_server(
     seed: int | None = None,
     device: str | torch.device = "cpu",
     adaptive_clipping: AdaptiveClipConfig | None = None,
+    noise_source: str = "torch",
 ) -> ServerState:
-    """Build the server state. ``seed`` seeds sampler and noise (``None``: OS entropy, as for real runs).
+    """Build the server state. ``seed`` seeds sampler and noise (``None``: OS entropy, as for real runs),
+    each through its own derived seed (``fed_dp.randomness.derive_seed(seed, "sampler" | "noise" |
+    "adaptive-clipping")``), so no consumer's seed reveals another's. ``noise_source``: ``"torch"`` (seeded,
+    reproducible) or ``"secure"`` (AES-CTR keyed from OS entropy whatever the seed) for the update and clip-bit
+    noise.
 
     With ``adaptive_clipping`` (independent noise only) the clip norm follows the noisy clip bits of every
     round and the update noise uses σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the pair costs one Gaussian
@@ -141,36 +163,44 @@ def init_server(
         raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
     params = params.detach().to(device).clone()
     dim = params.numel()
-    noise_seed = None if seed is None else seed + 1
+    derived = (lambda purpose: None) if seed is None else (lambda purpose: derive_seed(seed, purpose))
+    noise_seed = derived("noise") if noise_source == "torch" else None  # secure noise is keyed from OS entropy
     if optimizer.needs.squares:
         privatizer = joint_privatizer(config, dim, optimizer.ime_alpha, seed=noise_seed, device=device,
-                                      dtype=params.dtype)
+                                      dtype=params.dtype, source=noise_source)
     else:
-        privatizer = make_privatizer(config, dim, seed=noise_seed, device=device, dtype=params.dtype)
+        privatizer = make_privatizer(config, dim, seed=noise_seed, device=device, dtype=params.dtype,
+                                     source=noise_source)
     clipper = None
     if adaptive_clipping is not None:
         check_compatible(config, adaptive_clipping)
         if optimizer.needs.squares:
             raise ValueError("adaptive clipping is not combined with independent moment estimation")
-        clipper = AdaptiveClipper(adaptive_clipping, config.expected_cohort,
-                                  seed=None if seed is None else seed + 2)
+        clipper = AdaptiveClipper(adaptive_clipping, config.expected_cohort, source=noise_source,
+                                  seed=derived("adaptive-clipping") if noise_source == "torch" else None)
     return ServerState(
         config=config,
         optimizer=optimizer,
         params=params,
         opt_state=optimizer.init(params),
         privatizer=privatizer,
-        sampler=make_sampler(config, seed=seed),
+        sampler=make_sampler(config, seed=derived("sampler")),
         ledger=PrivacyLedger(config),
         clipper=clipper,
     )
 
 
 def begin_round(state: ServerState) -> RoundPlan:
-    """Refuse a round over budget, then draw the cohort and say what to broadcast."""
+    """Refuse a round over budget, then draw the cohort and say what to broadcast.
+
+    A round begun must be finished before the next begins: a second ``begin_round`` would let the sampler
+    run ahead (a cohort drawn and never used) and is refused."""
+    if state.pending is not None:
+        raise ValueError(f"round {state.pending.round + 1} was begun and not finished; finish_round it first "
+                         "(a second begin_round would draw another cohort for the same round)")
     state.ledger.check_next_round()
     cohort = state.sampler.next_cohort()
-    return RoundPlan(
+    state.pending = RoundPlan(
         round=state.round,
         cohort=cohort,
         params=state.params.clone(),
@@ -179,6 +209,7 @@ def begin_round(state: ServerState) -> RoundPlan:
         send_squares=state.optimizer.needs.squares,
         send_clip_bits=state.clipper is not None,
     )
+    return state.pending
 
 
 def _rejection(c: Contribution, dim: int, plan: RoundPlan) -> str | None:
@@ -252,12 +283,19 @@ def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, devi
 def finish_round(
     state: ServerState, plan: RoundPlan, contributions: list[Contribution]
 ) -> tuple[ServerState, dict[str, Any]]:
-    """Noise, average over B, step the optimizer, account. Returns the new state and the round's metrics."""
-    if plan.round != state.round:
-        raise ValueError(f"plan is for round {plan.round}, the server is at round {state.round}")
+    """Noise, average over B, step the optimizer, account. Returns the new state and the round's metrics.
+
+    The metrics are what may be published — round, ε, δ, the update norm, the optimizer's diagnostics of ν̂
+    (post-processing), adaptive clipping's ζ_t and ζ_{t+1} — plus, under ``"nonprivate"``, exact counts that
+    are computed from users' data outside any accounted mechanism: ``cohort_size`` (|S_t|), ``replied_users``,
+    ``reclipped_replies``, ``unclipped_users`` and, in simulations, ``alignment_ratio``. Engines keep those
+    out of every published record (``fed_dp.server.round_loop``)."""
+    if plan is not state.pending:
+        raise ValueError(f"plan of round {plan.round + 1} is not the round begun on this server (round "
+                         f"{state.round + 1}); call begin_round, then finish_round with its plan, once")
     config, optimizer = state.config, state.optimizer
     B, dim = config.expected_cohort, state.params.numel()
-    total, squares, counted, metrics = aggregate(
+    total, squares, counted, counts = aggregate(
         plan, contributions, dim, state.params.device, state.params.dtype
     )
     second_moment = None
@@ -285,19 +323,18 @@ def finish_round(
         clean_grad=-clean if optimizer.needs.clean_aggregate else None,
     )
     step, opt_state, diagnostics = optimizer.update(release, state.opt_state, state.params)
-    record = state.ledger.record_round(plan.cohort.numel())
-    if state.clipper is not None:
-        metrics["clip_norm"] = plan.clip_norm
-        metrics["next_clip_norm"] = state.clipper.step(metrics["unclipped_users"], counted)
+    record = state.ledger.record_round()
+    public: dict[str, Any] = {"round": plan.round}
+    if state.clipper is not None:  # ζ_t is broadcast; ζ_{t+1} comes from the noised bit sum
+        public["clip_norm"] = plan.clip_norm
+        public["next_clip_norm"] = state.clipper.step(counts["unclipped_users"], counted)
+    state.pending = None
     new_state = replace(state, params=state.params + step, opt_state=opt_state, round=state.round + 1)
-    metrics.update(diagnostics)
-    metrics.update(
-        round=plan.round,
-        cohort_size=plan.cohort.numel(),
-        epsilon=reported_epsilon(record.epsilon, optimizer.private),
-        delta=config.delta,
-        update_norm=float(torch.linalg.vector_norm(step)),
-    )
-    if in_simulation():  # reads the un-noised sum: never recorded outside simulations
-        metrics["alignment_ratio"] = alignment_ratio(total, counted, plan.clip_norm) if counted else math.nan
-    return new_state, metrics
+    public.update(diagnostics)  # post-processing of the noised release
+    public.update(epsilon=reported_epsilon(record.epsilon, optimizer.private), delta=config.delta,
+                  update_norm=float(torch.linalg.vector_norm(step)))
+    counts["cohort_size"] = plan.cohort.numel()
+    if in_simulation():  # reads the un-noised sum: never computed outside simulations
+        counts["alignment_ratio"] = alignment_ratio(total, counted, plan.clip_norm) if counted else math.nan
+    public["nonprivate"] = counts
+    return new_state, public

@@ -37,10 +37,19 @@ from fed_dp.validation import require as _check
 #: Built-in tasks by short name (``task.ref = "heavy-tail"``); any other task is named ``package.module:factory``.
 BUILTIN_TASKS: dict[str, str] = {
     "heavy-tail": "fed_dp.simulations.builtin_tasks:heavy_tail_task",
+    "heavy-tail-mixture": "fed_dp.simulations.builtin_tasks:heavy_tail_mixture_task",
     "sparse-logreg-1d": "fed_dp.simulations.builtin_tasks:sparse_logreg_task",
     "cifar10": "fed_dp.simulations.builtin_tasks:cifar10_task",
     "barcode-mnist": "fed_dp.simulations.builtin_tasks:barcode_mnist_task",
     "w1": "fed_dp.simulations.builtin_tasks:w1_task",
+    "snli": "fed_dp.simulations.builtin_tasks:snli_task",
+    "qnli": "fed_dp.simulations.builtin_tasks:qnli_task",
+    "ptb": "fed_dp.simulations.builtin_tasks:ptb_task",
+    "e2e": "fed_dp.simulations.builtin_tasks:e2e_task",
+    "femnist": "fed_dp.simulations.builtin_tasks:femnist_task",
+    "shakespeare": "fed_dp.simulations.builtin_tasks:shakespeare_task",
+    "stackoverflow": "fed_dp.simulations.builtin_tasks:stackoverflow_task",
+    "flair": "fed_dp.simulations.builtin_tasks:flair_task",
 }
 
 TRAINING_PATHS = ("auto", "vectorized", "sequential")
@@ -85,7 +94,7 @@ KEYS: tuple[Key, ...] = (
     Key("privacy", "expected-cohort", int, 10, "B: expected users per round, the fixed denominator"),
     Key("privacy", "rounds", int, 5, "T: server rounds the accounting plans for"),
     Key("privacy", "noise-multiplier", float, None, "σ: noise std on the sum of clipped updates / ζ (1.0 when "
-        "neither σ nor target-epsilon is given)", unset=0.0),
+        "neither σ nor target-epsilon is given; 0 only in fed-dp audit)", unset=-1.0),
     Key("privacy", "target-epsilon", float, None, "calibrate σ with dp_accounting so that the whole run has "
         "this user-level ε at delta", unset=0.0),
     Key("privacy", "clip-norm", float, 1.0, "ζ: L2 bound of one user's whole update"),
@@ -125,13 +134,17 @@ KEYS: tuple[Key, ...] = (
     Key("adaptive", "target-quantile", float, 0.5, "γ: the quantile of update norms to track"),
     Key("adaptive", "learning-rate", float, 0.2, "η_ζ of the geometric clip update"),
     Key("adaptive", "bit-noise-std", float, None, "σ_b on the clip-bit sum (unset: B/20)", unset=0.0),
-    Key("server", "checkpoint-dir", str, None, "folder for checkpoint.pt and results.json (absolute under "
-        "Flower); unset: none", unset=""),
+    Key("server", "checkpoint-dir", str, None, "folder of the checkpoints (a public part, and secret/ with the "
+        "noise state and the operator's diagnostics) and results.json (absolute under Flower); unset: none",
+        unset=""),
     Key("server", "reply-timeout", float, 120.0, "seconds to wait for the replies of one round"),
     Key("server", "min-nodes", int, 1, "SuperNodes to wait for before the first round"),
     Key("server", "node-wait", float, 60.0, "seconds to wait for min-nodes"),
     Key("server", "max-empty-rounds", int, 2, "stop with an error after this many rounds in a row in which "
         "users were sampled but no valid reply came"),
+    Key("server", "noise-source", str, "auto", "Gaussian noise from secure (AES-CTR keyed from OS entropy) or "
+        "torch (a seeded generator, reproducible); auto: secure in a deployment without run.seed, else torch",
+        choices=("auto", "secure", "torch")),
     Key("client", "device", str, "auto", "where users train: auto (CUDA when present), cpu, cuda, cuda:N"),
     Key("client", "training", str, "auto", "auto (vectorized over users on CUDA, one at a time on the CPU), "
         "vectorized or sequential", choices=TRAINING_PATHS),
@@ -191,6 +204,7 @@ class ServerSettings:
     min_nodes: int = 1
     node_wait: float = 60.0
     max_empty_rounds: int = 2
+    noise_source: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("reply_timeout", "node_wait"):
@@ -200,6 +214,13 @@ class ServerSettings:
             value = getattr(self, name)
             _check(_integer(value) and value >= 1, f"server.{name.replace('_', '-')} must be an integer >= 1, "
                    f"got {value!r}")
+        _check(self.noise_source in ("auto", "secure", "torch"),
+               f"server.noise-source must be auto, secure or torch, got {self.noise_source!r}")
+
+    @property
+    def chosen_noise_source(self) -> str | None:
+        """The noise source to ask for: None for auto (each engine's default), else the one named."""
+        return None if self.noise_source == "auto" else self.noise_source
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import secrets
 from typing import Any, ClassVar
 
 import dp_accounting
@@ -37,13 +36,9 @@ import torch
 
 from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import PrivacyConfig
+from fed_dp.randomness import entropy_seed
 
 NeighboringRelation = dp_accounting.NeighboringRelation
-
-
-def entropy_seed() -> int:
-    """A 63-bit seed from the operating system's entropy source."""
-    return secrets.randbits(63)
 
 
 def stable_group(user_id: int | str, groups: int) -> int:
@@ -64,6 +59,8 @@ class Sampler:
 
     name: ClassVar[str]
     neighboring_relation: ClassVar[NeighboringRelation] = NeighboringRelation.ADD_OR_REMOVE_ONE
+    #: The neighbouring datasets of the proved guarantee, in words (what the accountant's relation stands for).
+    guarantee: ClassVar[str] = "add or remove one user"
 
     def __init__(self, config: PrivacyConfig, seed: int | None = None) -> None:
         if config.sampler != self.name:
@@ -151,6 +148,7 @@ class WithoutReplacementSampler(Sampler):
 
     name = "without-replacement"
     neighboring_relation = NeighboringRelation.REPLACE_ONE
+    guarantee = "replace one user"
 
     @classmethod
     def dp_event(cls, config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
@@ -221,13 +219,16 @@ class MinSepSampler(Sampler):
     so a user participates at most k = ⌈T/m⌉ times, m ≥ b rounds apart. With column-normalized C the
     sensitivity of k participations is √k (ALGORITHMS §2), accounted as Gaussian(σ/√k).
 
-    The schedule is fixed in advance from the public N, B and seed; the guarantee is for one user's data
-    being present or zeroed out within that schedule (the usual adjacency of deterministic-participation
-    BandMF), which gives the same ε as add/remove in dp_accounting. Groups hold ⌊N/m⌋ or ⌈N/m⌉ users;
-    the average still divides by the configured B (fixed denominator).
+    The schedule is fixed in advance from the public N, B and seed, so the guarantee is the one proved for
+    deterministic-participation BandMF: **zero-out** adjacency, one user's data present or replaced by zeros
+    within that schedule (not add/remove: removing a user would change the schedule). For the Gaussian event
+    the accountant's ε is the same under either relation, so dp_accounting is asked with add/remove; the
+    label (:attr:`guarantee`) says what is proved. Groups hold ⌊N/m⌋ or ⌈N/m⌉ users; the average still
+    divides by the configured B (fixed denominator).
     """
 
     name = "min-sep"
+    guarantee = "zero out one user's data (fixed participation schedule)"
 
     def _build_groups(self) -> None:
         perm = torch.randperm(self.config.num_users, generator=torch.Generator().manual_seed(self.seed))
@@ -280,5 +281,11 @@ def blt_dp_event(config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
 
 
 def neighboring_relation(config: PrivacyConfig) -> NeighboringRelation:
-    """The adjacency under which ``config``'s sampler is accounted."""
+    """The adjacency under which ``config``'s sampler is accounted (dp_accounting's relation)."""
     return sampler_class(config).neighboring_relation
+
+
+def guarantee(config: PrivacyConfig) -> str:
+    """The neighbouring relation of ``config``'s guarantee as proved, in words: add or remove one user, replace
+    one user (sampling without replacement), or zero out one user's data (min-sep's fixed schedule)."""
+    return sampler_class(config).guarantee

@@ -37,6 +37,7 @@ def main(grid: Grid, context: Context) -> None:
         adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
         seed=seed, checkpoint_dir=run.server.checkpoint_dir, evaluate_every=run.run.eval_every,
         max_empty_rounds=run.server.max_empty_rounds, min_nodes=run.server.min_nodes, node_wait=run.server.node_wait,
+        noise_source=run.server.chosen_noise_source,
     )
     strategy.start(grid=grid, initial_arrays=model_arrays(model), timeout=run.server.reply_timeout,
                    evaluate_fn=centralized_evaluation(task))

@@ -22,7 +22,6 @@ guarantee: this strategy evaluates centrally (``evaluate_fn``) and sends no EVAL
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from torch import nn
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
-from fed_dp.checkpoint import CHECKPOINT_NAME
+from fed_dp.checkpoint import COMMIT_NAME
 from fed_dp.clients import protocol
 from fed_dp.clients.evaluation import evaluate_params
 from fed_dp.clients.task import Task
@@ -45,6 +44,7 @@ from fed_dp.config import PrivacyConfig
 from fed_dp.context import in_simulation
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
+from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.round import RoundPlan, ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import discover_users, wait_for_nodes
 from fed_dp.server.round_loop import RoundReplies, run_rounds
@@ -115,18 +115,22 @@ class UserLevelDP(Strategy):
     adaptive_clipping: optional adaptive clipping (independent noise only).
     seed: None (real runs: sampler, noise and local-training seeds from OS entropy) or an int for a
         reproducible research run (logged as such).
-    checkpoint_dir: folder for ``checkpoint.pt`` (every round) and ``results.json``; resumes from it.
+    checkpoint_dir: folder for the checkpoints (every round; ``fed_dp.checkpoint``: a publishable part and a
+        secret part) and ``results.json``; resumes from it.
     evaluate_every: centralized evaluation every k rounds and after the last (0: never).
     max_empty_rounds: stop with an error after this many rounds in a row without any counted user.
     min_nodes, node_wait: wait for this many nodes, at most this many seconds, before the first round.
     on_round: called with each round's record.
+    noise_source: where the Gaussian noise comes from (``fed_dp.randomness``): ``"secure"`` (AES-CTR keyed from OS
+        entropy, whatever the seed), ``"torch"`` (a seeded generator: reproducible, for research), or ``None``
+        (default): secure unless a seed is given.
     """
 
     def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = "dp-adam", *,
                  adaptive_clipping: AdaptiveClipConfig | None = None, seed: int | None = None,
                  checkpoint_dir: str | None = None, evaluate_every: int = 1, max_empty_rounds: int = 2,
                  min_nodes: int = 1, node_wait: float = 60.0,
-                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str | None = None) -> None:
         super().__init__()
         if not isinstance(privacy, PrivacyConfig):
             raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
@@ -150,8 +154,12 @@ class UserLevelDP(Strategy):
         self.state: ServerState | None = None
         self.layout: ParamLayout | None = None
         self.owner: dict[int, int] | None = None
-        self.client_seed = seed if seed is not None else secrets.randbits(62)
-        self._pending: tuple[RoundPlan, list[Message], dict[int, int], list[str]] | None = None
+        self.noise_source = noise_source if noise_source is not None else "secure" if seed is None else "torch"
+        if self.noise_source not in ("secure", "torch"):
+            raise ValueError(f"noise_source must be 'secure', 'torch' or None, got {noise_source!r}")
+        # the clients' seed for their local shuffles: independent of the sampler's and the noise's
+        self.client_seed = derive_seed(seed, "local-training") if seed is not None else entropy_seed()
+        self._pending: tuple[RoundPlan, list[Message], dict[int, int], int] | None = None
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def _initialize(self, arrays: ArrayRecord) -> None:
@@ -167,7 +175,7 @@ class UserLevelDP(Strategy):
             log.info("sigma = %.6f calibrated for user-level epsilon %g at delta %g (%s)", privacy.noise_multiplier,
                      self.privacy.target_epsilon, privacy.delta, privacy.accountant)
         self.state = init_server(privacy, self.optimizer, self.layout.flatten(named), seed=self.seed,
-                                 adaptive_clipping=self.adaptive_clipping)
+                                 adaptive_clipping=self.adaptive_clipping, noise_source=self.noise_source)
 
     def _ensure_users(self, grid: Grid, timeout: float) -> None:
         if self.owner is None:
@@ -180,7 +188,7 @@ class UserLevelDP(Strategy):
         return ArrayRecord(torch_state_dict=OrderedDict((k, v.cpu()) for k, v in self.layout.unflatten(params).items()))
 
     # --- one round: messages out, replies in ---------------------------------------------------------------
-    def _messages(self, plan: RoundPlan, config: ConfigRecord | None) -> tuple[list[Message], dict[int, int], list[str]]:
+    def _messages(self, plan: RoundPlan, config: ConfigRecord | None) -> tuple[list[Message], dict[int, int], int]:
         """TRAIN messages to the nodes hosting sampled users; also users asked per node and unreachable users."""
         by_node: dict[int, list[int]] = defaultdict(list)
         unreachable = 0
@@ -192,17 +200,19 @@ class UserLevelDP(Strategy):
         named = self.layout.unflatten(plan.params)
         messages = [protocol.train_message(plan, node, users, named, self.client_seed, dict(config or {}))
                     for node, users in sorted(by_node.items())]
-        dropped = [f"{unreachable} sampled user(s) are on no connected node"] if unreachable else []
-        return messages, {node: len(users) for node, users in by_node.items()}, dropped
+        return messages, {node: len(users) for node, users in by_node.items()}, unreachable
 
     def _replies(self, plan: RoundPlan, messages: list[Message], replies: Iterable[Message], asked: dict[int, int],
-                 dropped: list[str]) -> RoundReplies:
-        """Replies → contributions; every node that asked users but is not counted is named with the reason.
+                 unreachable: int) -> RoundReplies:
+        """Replies → contributions. Which nodes' users were not counted, why and how many, is operator-only
+        information (``nonprivate``): a node is asked only when one of its users was sampled.
 
         A reply belongs to the node its message went to (Flower answers for an unreachable node with an error
         reply from the SuperLink, so the reply's own source is not the node)."""
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
-        contributions, problems, answered = [], list(dropped), set()
+        contributions, answered = [], set()
+        problems = [f"{unreachable} sampled user(s) are on no connected node"] if unreachable else []
+        dropped_users = unreachable
         for reply in replies:
             node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             if node not in asked or node in answered:
@@ -218,9 +228,11 @@ class UserLevelDP(Strategy):
                                                                 self.state.params.dtype))
             except protocol.ReplyError as error:
                 problems.append(f"node {node}: {error} ({asked[node]} sampled user(s) dropped)")
+                dropped_users += asked[node]
         for node in sorted(set(asked) - answered):
             problems.append(f"node {node}: no reply in time ({asked[node]} sampled user(s) dropped)")
-        return RoundReplies(contributions, problems)
+            dropped_users += asked[node]
+        return RoundReplies(contributions, nonprivate={"dropped": problems, "dropped_users": dropped_users})
 
     # --- Flower's Strategy interface ---------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -232,8 +244,8 @@ class UserLevelDP(Strategy):
         if server_round != self.state.round + 1:
             raise ValueError(f"configure_train for round {server_round}, but the server is at round {self.state.round + 1}")
         plan = begin_round(self.state)
-        messages, asked, dropped = self._messages(plan, config)
-        self._pending = (plan, messages, asked, dropped)
+        messages, asked, unreachable = self._messages(plan, config)
+        self._pending = (plan, messages, asked, unreachable)
         return messages
 
     def aggregate_train(self, server_round: int,
@@ -241,10 +253,11 @@ class UserLevelDP(Strategy):
         """Validate, re-clip, sum, noise, average over B, step the optimizer, account."""
         if self._pending is None or self._pending[0].round + 1 != server_round:
             raise ValueError(f"aggregate_train for round {server_round} without configure_train for it")
-        plan, messages, asked, dropped = self._pending
+        plan, messages, asked, unreachable = self._pending
         self._pending = None
-        received = self._replies(plan, messages, replies, asked, dropped)
+        received = self._replies(plan, messages, replies, asked, unreachable)
         self.state, metrics = finish_round(self.state, plan, received.contributions)
+        metrics.pop("nonprivate")  # counts computed from users' data: never in a Flower metric record
         return self.arrays(self.state.params), _numeric(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -259,10 +272,10 @@ class UserLevelDP(Strategy):
         config = self.state.config if self.state is not None else self.privacy
         sigma = f"{config.noise_multiplier:.4f}" if config.noise_multiplier else f"for target epsilon {config.target_epsilon}"
         log.info("UserLevelDP: N = %s, B = %d, T = %d, sigma %s, clip %g, sampler %s, noise %s, accountant %s, "
-                 "optimizer %r; %s", config.num_users, config.expected_cohort, config.rounds, sigma, config.clip_norm,
-                 config.sampler, config.noise, config.accountant, self.optimizer,
-                 f"explicit seed {self.seed} (reproducible research run)" if self.seed is not None
-                 else "sampler, noise and local training seeded from OS entropy")
+                 "optimizer %s; %s", config.num_users, config.expected_cohort, config.rounds, sigma, config.clip_norm,
+                 config.sampler, config.noise, config.accountant, self.optimizer.describe(),
+                 f"explicit seed {self.seed} (reproducible research run), {self.noise_source} noise"
+                 if self.seed is not None else f"seeds from OS entropy, {self.noise_source} noise")
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None, timeout: float = 120.0,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
@@ -284,16 +297,16 @@ class UserLevelDP(Strategy):
         self.summary()
         self._ensure_users(grid, timeout)
         result = DPResult()
-        resuming = self.checkpoint_dir and Path(self.checkpoint_dir, CHECKPOINT_NAME).exists()
+        resuming = self.checkpoint_dir and Path(self.checkpoint_dir, COMMIT_NAME).exists()
         if evaluate_fn is not None and self.evaluate_every and self.state.round == 0 and not resuming:
             initial = evaluate_fn(0, self.arrays(self.state.params))
             if initial is not None:
                 result.evaluate_metrics_serverapp[0] = initial
 
         def exchange(plan: RoundPlan) -> RoundReplies:
-            messages, asked, dropped = self._messages(plan, train_config)
+            messages, asked, unreachable = self._messages(plan, train_config)
             replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
-            return self._replies(plan, messages, replies, asked, dropped)
+            return self._replies(plan, messages, replies, asked, unreachable)
 
         def evaluate(server_round: int, params: torch.Tensor) -> dict[str, float]:
             metrics = evaluate_fn(server_round, self.arrays(params))

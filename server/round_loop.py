@@ -1,15 +1,25 @@
 """The one round loop: every engine — the Flower Strategy and the in-process simulator — runs its rounds here.
 
-    resume from the checkpoint folder (if it holds a checkpoint)
+    resume from the checkpoint folder (if it holds a committed checkpoint)
     for each remaining round t:
         plan            = begin_round(state)        # refuses a round over the ε budget (the run then ends)
         replies         = exchange(plan)            # Flower messages, or local training in this process
         state, metrics  = finish_round(state, plan, replies.contributions)
-        checkpoint      (atomically, before anything of round t is evaluated, logged or returned)
+        checkpoint      (public and secret parts committed atomically, before anything of round t is
+                         evaluated, logged or handed to the caller; a round committed but not yet handed
+                         out when the server died is handed out once when the run resumes, recomputing
+                         nothing)
         stop with NoRepliesError after ``max_empty_rounds`` rounds in a row in which users were sampled but
             none was counted: the budget is not spent on noise alone
         evaluate every ``eval_every`` rounds and after the last; log ε; hand the record to ``on_round``
     write results.json
+
+What is published — records, results.json, logs, the public checkpoint — holds only what went through the
+accounted mechanism or is public anyway: ε, δ, the update norm, the optimizer's diagnostics (post-processing),
+adaptive clipping's ζ_t, evaluation on the server's held-out data, and which nodes failed and why. Exact
+counts computed from users' data (cohort size, replies, clipped users, local training losses) are not: in a
+simulation (``fed_dp.context.simulation()``) records keep them under names starting ``nonprivate_``; in a
+deployment they go only to the operator's ``secret/diagnostics.jsonl`` in the checkpoint folder.
 
 The engines differ only in ``exchange`` (how the plan reaches users and their contributions come back) and in
 ``evaluate``; all DP math is in ``fed_dp.round``.
@@ -28,10 +38,19 @@ from typing import Any
 import torch
 
 from fed_dp.accounting import BudgetExceededError
-from fed_dp.checkpoint import resume, save_checkpoint
+from fed_dp.checkpoint import append_diagnostics, last_published, mark_published, resume, save_checkpoint
+from fed_dp.context import in_simulation
 from fed_dp.round import Contribution, RoundPlan, ServerState, begin_round, finish_round
 
 log = logging.getLogger("fed_dp.server")
+#: Operator-only details of each round (which nodes failed, how many sampled users were dropped): not printed
+#: unless the operator attaches a handler; in a deployment they are also written to secret/diagnostics.jsonl.
+private_log = logging.getLogger("fed_dp.private")
+private_log.propagate = False
+private_log.addHandler(logging.NullHandler())
+
+#: The phase boundaries of a round, in order, at which ``run_rounds`` calls ``on_phase(phase, round_index)``.
+PHASES = ("sampled", "replied", "aggregated", "saved", "published")
 
 
 class NoRepliesError(RuntimeError):
@@ -40,12 +59,13 @@ class NoRepliesError(RuntimeError):
 
 @dataclass
 class RoundReplies:
-    """What came back for a plan: contributions, why sampled users were not counted, and (simulations only)
-    diagnostics of local training."""
+    """What came back for a plan: the contributions; ``metrics``, public numbers of the exchange (e.g. which
+    training path ran); ``nonprivate``, what depends on who was sampled or on users' data outside the
+    mechanism: which nodes failed and why (``dropped``), counts, local training losses."""
 
     contributions: list[Contribution]
-    dropped: list[str] = field(default_factory=list)
-    client_metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    nonprivate: dict[str, Any] = field(default_factory=dict)
 
 
 Exchange = Callable[[RoundPlan], RoundReplies]
@@ -76,27 +96,44 @@ def run_rounds(
     checkpoint_dir: str | Path | None = None,
     max_empty_rounds: int = 2,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_phase: Callable[[str, int], None] | None = None,
 ) -> LoopResult:
     """Run rounds until ``rounds`` (default: the planned T) have been released, the budget refuses one, or
     replies stop coming. Returns the final state, one record per released round and why it stopped early.
 
     ``evaluate(rounds_done, params)`` gets the flat θ after a round (every ``eval_every`` rounds and after the
-    last);
-    ``on_round(record)`` is called after each round (progress bars). Raises :class:`NoRepliesError` (after
-    saving the checkpoint, so the run can be resumed) when ``max_empty_rounds`` rounds in a row sampled users
-    but counted none.
+    last); ``on_round(record)`` is called after each round (progress bars); ``on_phase(phase, round_index)``
+    at each boundary of :data:`PHASES` (instrumentation, fault injection). Raises :class:`NoRepliesError`
+    (after saving the checkpoint, so the run can be resumed) when ``max_empty_rounds`` rounds in a row
+    sampled users but counted none.
     """
     rounds = state.config.rounds if rounds is None else rounds
     if not 1 <= rounds <= state.config.rounds:
         raise ValueError(f"rounds must be in 1..{state.config.rounds} (the rounds the privacy plan accounts for), "
                          f"got {rounds}")
+    phase = on_phase if on_phase is not None else (lambda name, index: None)
+    simulated = in_simulation()
     records: list[dict[str, Any]] = []
+
+    def publish(record: dict[str, Any]) -> None:
+        """Evaluate, log and hand out a committed round's record; then mark it published."""
+        if evaluate is not None and _evaluate_now(record["round"], rounds, eval_every):
+            record.update(evaluate(state.round, state.params))
+        log.info("round %d/%d: epsilon %s, delta %g", record["round"] + 1, rounds, _format_epsilon(record["epsilon"]),
+                 record["delta"])
+        if on_round is not None:
+            on_round(record)
+        if checkpoint_dir:
+            mark_published(checkpoint_dir, record["round"])
+
     if checkpoint_dir:
         extra = resume(state, checkpoint_dir)
         if extra is not None:
             records = list(extra.get("records", []))
             log.info("resumed from %s at round %d (epsilon so far %.4g)", checkpoint_dir, state.round,
                      state.ledger.epsilon)
+            if records and last_published(checkpoint_dir) < records[-1]["round"]:
+                publish(records[-1])  # committed just before a crash, never handed out: the same record, once
     stopped, empty = None, 0
     try:
         while state.round < rounds:
@@ -107,28 +144,34 @@ def run_rounds(
                 log.error("fed-dp stopped before round %d: %s", state.round + 1, refusal)
                 stopped = str(refusal)
                 break
+            phase("sampled", plan.round)
             replies = exchange(plan)
+            phase("replied", plan.round)
             state, metrics = finish_round(state, plan, replies.contributions)
+            nonprivate = {**metrics.pop("nonprivate"), **replies.nonprivate}
+            phase("aggregated", plan.round)
             metrics["round_seconds"] = time.perf_counter() - started  # sampling, exchange, server round
-            metrics["dropped"] = list(replies.dropped)
-            metrics.update(replies.client_metrics)
+            metrics.update(replies.metrics)
+            if simulated:  # research runs on data the researcher holds: diagnostics stay, marked as such
+                metrics.update({f"nonprivate_{key}": value for key, value in nonprivate.items()})
             records.append(metrics)
             if checkpoint_dir:
                 save_checkpoint(state, checkpoint_dir, extra={"records": records})
-            empty = empty + 1 if plan.cohort.numel() > 0 and metrics["replied_users"] == 0 else 0
-            if empty >= max_empty_rounds:
+                if not simulated:
+                    append_diagnostics(checkpoint_dir, {"round": plan.round, **nonprivate})
+            phase("saved", plan.round)
+            sampled = nonprivate["cohort_size"] > 0
+            empty = empty + 1 if sampled and nonprivate["replied_users"] == 0 else 0
+            if empty >= max_empty_rounds:  # the failure path says why: the run is broken and stops here
                 raise NoRepliesError(
-                    f"no sampled user was counted in the last {empty} rounds (up to round {plan.round + 1}); "
+                    f"no reply could be counted in the last {empty} rounds (up to round {plan.round + 1}); "
                     f"stopping before spending more privacy budget on noise alone (epsilon so far "
-                    f"{_format_epsilon(metrics['epsilon'])}). Why: {'; '.join(metrics['dropped']) or 'no replies'}. "
+                    f"{_format_epsilon(metrics['epsilon'])}). Why: {'; '.join(nonprivate.get('dropped', [])) or 'no replies'}. "
                     "Fix the nodes and start the run again with the same checkpoint folder to resume")
-            if evaluate is not None and _evaluate_now(plan.round, rounds, eval_every):
-                metrics.update(evaluate(state.round, state.params))
-            log.info("round %d/%d: cohort %d, replied %d, epsilon %s, delta %g%s", plan.round + 1, rounds,
-                     metrics["cohort_size"], metrics["replied_users"], _format_epsilon(metrics["epsilon"]),
-                     metrics["delta"], "".join(f"\n  dropped: {p}" for p in metrics["dropped"]))
-            if on_round is not None:
-                on_round(metrics)
+            for problem in nonprivate.get("dropped", []):
+                private_log.warning("round %d: %s", plan.round + 1, problem)
+            publish(metrics)
+            phase("published", plan.round)
     finally:
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,9 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     error each strategy optimizes at T = 2,000 (with min-separation 64, and with one participation); the
     time to read the BandMF ring once (its memory-bandwidth floor); cold strategy optimization times,
     up to T = 10,000 with b = 1,024.
+``secure-noise``
+    Drawing N(0, I_d), d = 10⁷, from the secure source (AES-256-CTR keyed from os.urandom) against
+    ``torch.randn`` on the same device (the CPU, and the GPU when there is one): the throughput ratio.
 ``accounting``
     ε after 10,000 Poisson-sampled Gaussian rounds with PLD, the whole per-round ε schedule of those rounds
     (RDP and PLD), and calibrating σ for a target ε (PLD and RDP).
@@ -68,9 +71,11 @@ from torch.nn import functional as F
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import LocalTraining
 from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
+from fed_dp.checkpoint import read_diagnostics
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.noise import Privatizer
+from fed_dp.randomness import SecureNormal
 from fed_dp.optimizers import make_optimizer
 from fed_dp.factorization import optimize_toeplitz
 from fed_dp.simulations import engine
@@ -78,7 +83,7 @@ from fed_dp.clients.task import initial_model
 from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
 from fed_dp.simulations.builtin_tasks import w1_task
 
-SECTIONS = ("w1", "scaling", "noise", "accounting", "gpu")
+SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
 SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "fed-dp-flower")
 
@@ -181,7 +186,7 @@ def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: i
         device=resolved))
     records = result.records
     _sync(resolved)
-    return {"seconds": seconds, "users": sum(int(r["cohort_size"]) for r in records),
+    return {"seconds": seconds, "users": sum(int(r["nonprivate_cohort_size"]) for r in records),
             "path": "vectorized" if records and records[-1]["vectorized"] else "sequential",
             "round_seconds": [r["round_seconds"] for r in records], "epsilon": records[-1]["epsilon"]}
 
@@ -228,10 +233,11 @@ def plain_training_seconds(task, users_per_round: list[list[int]], training: Loc
 
 
 def _cohorts(privacy: PrivacyConfig, seed: int) -> list[list[int]]:
-    """The users the engine's sampler draws in every round of ``privacy`` with ``seed``."""
+    """The users the engine's sampler draws in every round of ``privacy`` with ``seed`` (its derived seed)."""
+    from fed_dp.randomness import derive_seed
     from fed_dp.sampling import make_sampler
 
-    sampler = make_sampler(privacy, seed=seed)
+    sampler = make_sampler(privacy, seed=derive_seed(seed, "sampler"))
     return [sampler.next_cohort().tolist() for _ in range(privacy.rounds)]
 
 
@@ -270,7 +276,8 @@ def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: fl
         raise RuntimeError(f"the project's Flower apps ran {len(records)} of {spec.rounds} rounds; log tail:\n"
                            + "\n".join(log.splitlines()[-30:]))
     return {"seconds": sum(r["round_seconds"] for r in records), "total_seconds": total,
-            "users": sum(int(r["replied_users"]) for r in records), "epsilon": records[-1]["epsilon"]}
+            "users": sum(int(r["replied_users"]) for r in read_diagnostics(checkpoint)),  # the operator's counts
+            "epsilon": records[-1]["epsilon"]}
 
 
 def bench_w1(spec: W1Spec, runs: int, folder: Path, *, flower: bool, timeout: float, smoke: bool = False,
@@ -468,6 +475,32 @@ def format_noise(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def bench_secure_noise(dim: int, steps: int, devices: list[str]) -> dict[str, Any]:
+    """N(0, I_d) from the secure source (AES-256-CTR keyed from os.urandom, fed_dp.randomness) against
+    ``torch.randn`` on the same device: medians of ``steps`` draws each, interleaved, and their ratio."""
+    rows = []
+    for device in devices:
+        secure, generator = SecureNormal(device), torch.Generator(device=device).manual_seed(0)
+        resolved = torch.device(device)
+        secure.normal(dim, torch.float32), torch.randn(dim, generator=generator, device=device)  # warm-up
+        secure_times, torch_times = [], []
+        for _ in range(steps):
+            _sync(resolved)
+            secure_times.append(_timed(lambda: (secure.normal(dim, torch.float32), _sync(resolved)))[0])
+            torch_times.append(_timed(lambda: (torch.randn(dim, generator=generator, device=device),
+                                               _sync(resolved)))[0])
+        s, t = statistics.median(secure_times), statistics.median(torch_times)
+        rows.append({"device": device, "dim": dim, "secure_seconds": s, "torch_seconds": t,
+                     "throughput_ratio": t / s, "steps": steps})
+    return {"rows": rows}
+
+
+def format_secure_noise(r: dict[str, Any]) -> str:
+    return "\n".join(f"{row['device']}: d = {row['dim']:.0e}: secure {1e3 * row['secure_seconds']:.1f} ms, torch.randn "
+                     f"{1e3 * row['torch_seconds']:.1f} ms: secure throughput {row['throughput_ratio']:.2f}× torch's"
+                     for row in r["rows"])
+
+
 def bench_accounting(rounds: int, target_epsilon: float) -> dict[str, Any]:
     """ε after ``rounds`` Poisson-sampled Gaussian rounds (PLD), the whole per-round schedule (RDP and PLD),
     and σ calibration (PLD and RDP), each from cold (memos cleared)."""
@@ -640,6 +673,11 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         dim, bands, horizon, buffers = (10_000, 8, 64, (2, 3)) if args.smoke else (10**7, 64, 2000, (2, 3, 4, 5))
         results["noise"] = bench_noise(dim, bands, horizon, buffers, steps=3 if args.smoke else 10, log=log)
         section("noise", format_noise(results["noise"]))
+    if "secure-noise" in sections:
+        log("measuring secure noise ...")
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        results["secure-noise"] = bench_secure_noise(10_000 if args.smoke else 10**7, 3 if args.smoke else 10, devices)
+        section("secure noise (AES-CTR) vs torch.randn", format_secure_noise(results["secure-noise"]))
     if "accounting" in sections:
         log("measuring accounting ...")
         results["accounting"] = bench_accounting(100, 1.0) if args.smoke else bench_accounting(10_000, 8.0)

@@ -1,12 +1,14 @@
 """The ``fed-dp`` command: the accounting commands of ``fed_dp.cli`` plus the simulation commands.
 
-    fed-dp simulate [CONFIG] [--task MODULE:FACTORY] [--set table.key=value ...] [--out DIR] [--no-plot]
+    fed-dp simulate [CONFIG | --config CONFIG] [--task MODULE:FACTORY] [--set table.key=value ...] [--out DIR] [--no-plot]
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
+    fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR]
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
 
-``fed-dp simulate`` with no arguments runs the built-in default: a scaled-down seed-003 comparison of
-DP-SGD, DP-SGD with momentum, DP-Adam and DP-AdamBC on the heavy-tail synthetic task.
+``fed-dp simulate`` with no arguments runs the built-in default, the main job (``configs/main-job.toml``):
+DP-FedAvg, DP-SGDM, DP-Adam, DP-AdamBC and scale-then-privatize on 10,240 users of a heavy-tailed synthetic
+task at user-level ε = 4.
 """
 
 from __future__ import annotations
@@ -29,15 +31,11 @@ def _out_dir(args: argparse.Namespace, config_name: str) -> Path:
 
 def _run_simulation(args: argparse.Namespace) -> None:
     from fed_dp.simulations.plots import plot_all
-    from fed_dp.simulations.runner import DEFAULT_CONFIG, apply_overrides, format_table, load_config, read_results, run_experiment
+    from fed_dp.simulations.runner import DEFAULT_CONFIG, format_table, read_results, run_experiment
 
-    # A task of the user's own, by reference (importable from the current folder), starts from the run
-    # configuration's defaults unless a config is named too; the built-in default config is for its own task.
-    config = load_config(args.config) if args.config or not args.task else {}
-    if args.task:
-        sys.path.insert(0, str(Path.cwd()))
-        config["task"] = {"ref": args.task}
-    config = apply_overrides(config, args.set or [])
+    # A task of the user's own starts from the run configuration's defaults unless a config is named too: the
+    # built-in default config is for its own task.
+    config = _simulation_config(args)
     if getattr(args, "optimizers", None):
         config.setdefault("run", {})["optimizers"] = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
@@ -48,6 +46,46 @@ def _run_simulation(args: argparse.Namespace) -> None:
     if not args.no_plot:
         figures = plot_all(read_results(out), out)
         print("figures: " + ", ".join(str(f) for f in figures))
+
+
+def _simulation_config(args: argparse.Namespace) -> dict:
+    """The config of ``simulate``/``compare``/``audit``: a named or built-in config, or with ``--task`` the run
+    configuration's defaults and the user's task (importable from the current folder); then ``--set``."""
+    from fed_dp.simulations.runner import apply_overrides, load_config
+
+    if args.config_option:
+        if args.config and args.config != args.config_option:
+            raise ValueError(f"two configs given: {args.config!r} and --config {args.config_option!r}; give one")
+        args.config = args.config_option
+    config = load_config(args.config) if args.config or not args.task else {}
+    if args.task:
+        sys.path.insert(0, str(Path.cwd()))
+        config["task"] = {"ref": args.task}
+    return apply_overrides(config, args.set or [])
+
+
+def _run_audit(args: argparse.Namespace) -> None:
+    import json
+
+    from fed_dp.simulations.audit import audit_config, format_audit, plot_audit
+
+    result = audit_config(_simulation_config(args), canaries=args.canaries, confidence=args.confidence,
+                          optimizer=args.optimizer)
+    rows = [row for row in result.rows() if args.threat_model in ("both", row["threat_model"])]
+    result.results = {row["threat_model"]: result.results[row["threat_model"]] for row in rows}
+    result.scores = {name: result.scores[name] for name in result.results}
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(format_audit(result))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "audit.json").write_text(json.dumps(rows, indent=2))
+        figure = None if args.no_plot else plot_audit(result, out / "audit.png")
+        if not args.json:
+            print(f"\nresults: {out / 'audit.json'}" + (f", figure: {figure}" if figure else ""))
 
 
 def _run_plot(args: argparse.Namespace) -> None:
@@ -67,7 +105,9 @@ def _run_plot(args: argparse.Namespace) -> None:
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None,
                         help="a TOML config file, or the name of a built-in config in simulations/configs "
-                        "(default: heavy-tail-quick; with --task: the run configuration's defaults)")
+                        "(default: main-job; with --task: the run configuration's defaults)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG",
+                        help="the same as the positional CONFIG (a TOML file or a built-in config name)")
     parser.add_argument("--task", metavar="MODULE:FACTORY",
                         help="train your own task: a function returning a fed_dp.Task, e.g. my_task:make_task "
                         "(importable from the current folder); replaces the config's [task] table, whose keys "
@@ -83,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = accounting_cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     simulate = commands.add_parser(
-        "simulate", help="run a simulation (default: the built-in heavy-tail comparison)",
+        "simulate", help="run a simulation (default: the built-in main job)",
         description="Train the optimizers of a config on a task partitioned by user, with user-level DP, "
         "and print a table with the user-level epsilon of each run.",
     )
@@ -102,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("folders", nargs="+", metavar="DIR", help="results folders written by simulate/compare")
     plot.add_argument("--out", metavar="DIR", help="where to write the figures (default: the first folder)")
     plot.set_defaults(run=_run_plot)
+    audit = commands.add_parser(
+        "audit", help="empirical privacy of a config: one run with canary users, epsilon estimate and lower bound",
+        description="Train the config once with canary users (random unit updates, each inserted with probability "
+        "1/2) and report, for the final-model and all-iterates threat models, the accounted epsilon, an "
+        "epsilon estimate (Gaussian fit) and a lower bound at --confidence (Steinke, Nasr & Jagielski 2023).",
+    )
+    _add_run_arguments(audit)
+    audit.add_argument("--canaries", type=int, default=1000, metavar="M",
+                       help="canary candidates (default 1000; the model needs at least 2M parameters)")
+    audit.add_argument("--optimizer", metavar="NAME", help="the optimizer to audit (default: the config's first)")
+    audit.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
+    audit.add_argument("--threat-model", choices=("final-model", "all-iterates", "both"), default="both")
+    audit.add_argument("--json", action="store_true", help="one JSON object per threat model, one per line")
+    audit.set_defaults(run=_run_audit)
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
         description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "

@@ -1,11 +1,13 @@
-"""Loaders for the standard local files of CIFAR-10 and MNIST, and the Barcode-MNIST construction.
+"""Loaders for the standard local files of CIFAR-10, MNIST, SNLI, QNLI, Penn Treebank and E2E, and the
+Barcode-MNIST construction. (Datasets whose users come from the data: ``federated_datasets``.)
 
 Nothing here downloads: every loader reads the files a dataset's own distribution ships, from a local
 directory, and raises :class:`FileNotFoundError` naming exactly which files to put where when they are
 missing, or :class:`ValueError` naming the file when one is malformed.
 
-All loaders return ``(train_x, train_y, test_x, test_y)`` with float32 inputs scaled to [0, 1] (pixel / 255,
-no mean/std normalization: normalizing is a modelling choice left to the task builder) and int64 labels.
+The image loaders return ``(train_x, train_y, test_x, test_y)`` with float32 inputs scaled to [0, 1] (pixel / 255,
+no mean/std normalization: normalizing is a modelling choice left to the task builder) and int64 labels; the
+text loaders return every split's raw text (tokenizing is the task's: ``simulations.text``).
 
 ``make_barcode_mnist`` builds the heavy-tailed Barcode-MNIST of seed 003 (Tang, Zhiyanov & Lécuyer,
 "On the Performance of Differentially Private Optimization with Heavy-Tail Class Imbalance", Appendix B),
@@ -16,6 +18,7 @@ written in the image corner; classes are subsampled to be heavy-tailed.
 from __future__ import annotations
 
 import gzip
+import json
 import pickle
 from pathlib import Path
 from typing import Sequence
@@ -26,9 +29,15 @@ import torch
 __all__ = [
     "BARCODE_MNIST_GROUPS",
     "CIFAR10_FOLDER",
+    "QNLI_LABELS",
+    "SNLI_LABELS",
     "barcode_mnist_class_sizes",
     "load_cifar10",
+    "load_e2e",
     "load_mnist",
+    "load_ptb",
+    "load_qnli",
+    "load_snli",
     "make_barcode_mnist",
 ]
 
@@ -350,3 +359,165 @@ def make_barcode_mnist(
                 ys.append(torch.full((per_class,), barcode * len(digits) + rank, dtype=torch.int64))
             barcode += 1
     return torch.cat(xs), torch.cat(ys), class_groups
+
+
+# --------------------------------------------------------------------------------------------------
+# Text: SNLI (jsonl), QNLI (GLUE tsv), Penn Treebank (ptb.*.txt), E2E NLG (csv)
+# --------------------------------------------------------------------------------------------------
+
+#: SNLI's gold labels, in the order Hugging Face's ``snli`` uses (0 entailment, 1 neutral, 2 contradiction).
+SNLI_LABELS: tuple[str, ...] = ("entailment", "neutral", "contradiction")
+#: QNLI's labels (GLUE): 0 entailment, 1 not_entailment.
+QNLI_LABELS: tuple[str, ...] = ("entailment", "not_entailment")
+
+SentencePairs = tuple[list[str], list[str], list[int]]
+
+
+def _folder_with(root: str | Path, names: Sequence[str], subfolders: Sequence[str]) -> Path:
+    """The first of ``root`` and ``root/<subfolder>`` that holds every file in ``names`` (else ``root``)."""
+    root = Path(root)
+    for folder in (root, *(root / s for s in subfolders)):
+        if all((folder / name).is_file() for name in names):
+            return folder
+    return root
+
+
+def _require_files(folder: Path, names: Sequence[str], dataset: str, source: str) -> None:
+    """FileNotFoundError naming the missing files, the folder searched and where the files come from."""
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        where = "the folder does not exist" if not folder.is_dir() else "missing: " + ", ".join(missing)
+        raise FileNotFoundError(f"{dataset} not found in {folder} ({where}). Put {', '.join(names)} into {folder}/; "
+                                f"they come from {source}.")
+
+
+def load_snli(root: str | Path) -> dict[str, SentencePairs]:
+    """SNLI 1.0 (Bowman et al. 2015) from the jsonl files of ``snli_1.0.zip`` (the Stanford NLP release).
+
+    ``root`` is the ``snli_1.0`` folder or its parent; it must hold ``snli_1.0_train.jsonl``,
+    ``snli_1.0_dev.jsonl`` and ``snli_1.0_test.jsonl``: one JSON object per line with (among others)
+    ``sentence1`` (premise), ``sentence2`` (hypothesis) and ``gold_label`` (``entailment``, ``neutral``,
+    ``contradiction``, or ``-`` when the annotators reached no consensus). Pairs labelled ``-`` have no
+    gold label and are left out, as in the paper's splits (550,152 / 10,000 / 10,000 lines give 549,367 /
+    9,842 / 9,824 labelled pairs); every other line is kept. Returns ``{"train" | "dev" | "test":
+    (premises, hypotheses, labels)}`` with labels indexing :data:`SNLI_LABELS`.
+    """
+    names = [f"snli_1.0_{split}.jsonl" for split in ("train", "dev", "test")]
+    folder = _folder_with(root, names, ["snli_1.0"])
+    _require_files(folder, names, "SNLI", "snli_1.0.zip of the Stanford NLP group's SNLI page (extract it)")
+    out = {}
+    for split, name in zip(("train", "dev", "test"), names):
+        premises, hypotheses, labels = [], [], []
+        with open(folder / name, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    label, premise, hypothesis = row["gold_label"], row["sentence1"], row["sentence2"]
+                except (json.JSONDecodeError, KeyError, TypeError) as error:
+                    raise ValueError(f"{folder / name}, line {number}: not an SNLI record with gold_label, sentence1 "
+                                     f"and sentence2 ({type(error).__name__}: {error})") from error
+                if label == "-":
+                    continue
+                if label not in SNLI_LABELS or not isinstance(premise, str) or not isinstance(hypothesis, str):
+                    raise ValueError(f"{folder / name}, line {number}: gold_label {label!r} is not one of "
+                                     f"{', '.join(SNLI_LABELS)} or '-', or a sentence is not text")
+                premises.append(premise)
+                hypotheses.append(hypothesis)
+                labels.append(SNLI_LABELS.index(label))
+        out[split] = (premises, hypotheses, labels)
+    return out
+
+
+def load_qnli(root: str | Path) -> dict[str, SentencePairs]:
+    """QNLI from the GLUE benchmark's tsv files (``QNLI.zip`` of the GLUE data; Wang et al. 2019).
+
+    ``root`` is the ``QNLI`` folder or its parent; it must hold ``train.tsv`` and ``dev.tsv`` (GLUE's
+    ``test.tsv`` has no labels and is not read). Each file is tab-separated with the header
+    ``index	question	sentence	label`` and one pair per line, labels ``entailment`` or
+    ``not_entailment``; fields are not quoted. Returns ``{"train" | "dev": (questions, sentences, labels)}``
+    with labels indexing :data:`QNLI_LABELS` (GLUE: 104,743 train and 5,463 dev pairs).
+    """
+    names = ["train.tsv", "dev.tsv"]
+    folder = _folder_with(root, names, ["QNLI", "glue_data/QNLI"])
+    _require_files(folder, names, "QNLI", "QNLI.zip of the GLUE benchmark data (extract it)")
+    out = {}
+    for split, name in zip(("train", "dev"), names):
+        lines = (folder / name).read_text(encoding="utf-8").split("\n")
+        header = lines[0].rstrip("\r").split("\t")
+        if [h.strip() for h in header] != ["index", "question", "sentence", "label"]:
+            raise ValueError(f"{folder / name}: header must be index, question, sentence, label (tab-separated), "
+                             f"got {header}")
+        questions, sentences, labels = [], [], []
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            cells = line.rstrip("\r").split("\t")
+            if len(cells) != 4 or cells[3] not in QNLI_LABELS:
+                raise ValueError(f"{folder / name}, line {number}: expected 4 tab-separated fields ending in "
+                                 f"{' or '.join(QNLI_LABELS)}, got {len(cells)} field(s)")
+            questions.append(cells[1])
+            sentences.append(cells[2])
+            labels.append(QNLI_LABELS.index(cells[3]))
+        out[split] = (questions, sentences, labels)
+    return out
+
+
+def load_ptb(root: str | Path) -> dict[str, list[list[str]]]:
+    """Penn Treebank as distributed for language modelling (Mikolov et al.'s ``simple-examples.tgz``).
+
+    ``root`` holds ``ptb.train.txt``, ``ptb.valid.txt`` and ``ptb.test.txt`` (or is the folder whose
+    ``simple-examples/data`` holds them): one sentence per line, tokens separated by spaces, already
+    lower-cased, numbers as ``N``, rare words as ``<unk>`` (10,000 word types). Returns ``{"train" | "valid"
+    | "test": sentences}``, each sentence its tokens followed by ``<eos>`` (the usual end-of-line token;
+    929,589 / 73,760 / 82,430 tokens with it). Empty lines are kept as a lone ``<eos>``, so nothing is lost.
+    """
+    names = ["ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"]
+    folder = _folder_with(root, names, ["simple-examples/data", "data"])
+    _require_files(folder, names, "Penn Treebank", "simple-examples.tgz of Mikolov's RNNLM toolkit (its "
+                   "simple-examples/data folder) or any PTB language-modelling copy with these names")
+    out = {}
+    for split, name in zip(("train", "valid", "test"), names):
+        try:
+            text = (folder / name).read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{folder / name}: not UTF-8 text ({error})") from error
+        lines = text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()  # the final newline ends the last sentence; it does not start another
+        out[split] = [line.split() + ["<eos>"] for line in lines]
+    return out
+
+
+def load_e2e(root: str | Path) -> dict[str, tuple[list[str], list[str]]]:
+    """The E2E NLG Challenge data (Novikova et al. 2017), from the csv files of its public release.
+
+    ``root`` holds ``trainset.csv`` and ``devset.csv`` (or is the parent of the release's ``e2e-dataset``
+    folder): comma-separated with a header ``mr,ref`` and quoted fields; ``mr`` is the meaning
+    representation (``name[The Eagle], eatType[coffee shop], ...``), ``ref`` one human-written reference
+    text. Returns ``{"train" | "dev": (meaning representations, references)}`` (42,061 and 4,672 rows).
+    """
+    import csv
+
+    names = ["trainset.csv", "devset.csv"]
+    folder = _folder_with(root, names, ["e2e-dataset"])
+    _require_files(folder, names, "E2E NLG", "the E2E NLG Challenge dataset release (e2e-dataset: trainset.csv, "
+                   "devset.csv)")
+    out = {}
+    for split, name in zip(("train", "dev"), names):
+        with open(folder / name, encoding="utf-8", newline="") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, None)
+            if header is None or [h.strip().lstrip("\ufeff") for h in header] != ["mr", "ref"]:
+                raise ValueError(f"{folder / name}: header must be mr,ref, got {header}")
+            mrs, refs = [], []
+            for number, row in enumerate(reader, start=2):
+                if not row:
+                    continue
+                if len(row) != 2:
+                    raise ValueError(f"{folder / name}, row {number}: expected 2 fields (mr, ref), got {len(row)}")
+                mrs.append(row[0])
+                refs.append(row[1])
+        out[split] = (mrs, refs)
+    return out

@@ -18,7 +18,6 @@ Users train on ``device``; the server round stays on the CPU, and only θ_{t−1
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +34,7 @@ from fed_dp.clients.task import Task, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
+from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.round import Contribution, RoundPlan, ServerState, init_server
 from fed_dp.server.round_loop import RoundReplies, run_rounds
 
@@ -67,7 +67,7 @@ def _progress(rounds: int, on_round: Callable[[dict[str, Any]], None] | None):
 
     def step(record: dict[str, Any]) -> None:
         eps = record["epsilon"]
-        loss = record.get("train_loss", math.nan)
+        loss = record.get("nonprivate_train_loss", math.nan)
         bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}", loss=f"{loss:.3f}")
         bar.update(1)
         if on_round is not None:
@@ -92,6 +92,8 @@ def train(
     max_empty_rounds: int = 2,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = False,
+    noise_source: str = "torch",
+    on_phase: Callable[[str, int], None] | None = None,
 ) -> TrainResult:
     """Train ``task`` with user-level DP in this process; returns the model, ε and one record per round.
 
@@ -105,6 +107,8 @@ def train(
     device / training / chunk_size: where and how users train (``LocalTrainer``).
     checkpoint_dir: save every round there and resume from it.
     on_round: called with every round's record; ``progress``: show a progress bar.
+    noise_source: ``"torch"`` (seeded: reproducible) or ``"secure"`` (AES-CTR from OS entropy; needs seed=None).
+    on_phase: called at each phase boundary of a round (``fed_dp.server.round_loop.PHASES``).
 
     Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
     path that ran as ``vectorized``), the optimizer's diagnostics, ``round_seconds`` and evaluation metrics.
@@ -120,16 +124,19 @@ def train(
         if isinstance(optimizer, str):
             optimizer = make_optimizer(optimizer)
         privacy = resolve_privacy(privacy, task.num_users)
-        run_seed = seed if seed is not None else secrets.randbits(62)
+        run_seed = seed if seed is not None else entropy_seed()
+        client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
         model, layout, params = initial_model(task, run_seed)
         trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size)
-        state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping)
+        state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
+                            noise_source=noise_source)
 
         def exchange(plan: RoundPlan) -> RoundReplies:
             result, metrics, path = trainer.contribution(
                 round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
-                scale=plan.scale, send_squares=plan.send_squares, seed=run_seed, source="simulation")
-            return RoundReplies([_on_cpu(result)], client_metrics={**metrics, "vectorized": float(path == "vectorized")})
+                scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
+            return RoundReplies([_on_cpu(result)], metrics={"vectorized": float(path == "vectorized")},
+                                nonprivate=metrics)  # train_loss, mean_update_norm, fraction_clipped
 
         evaluate = None
         if task.evaluate is not None:
@@ -138,7 +145,7 @@ def train(
         bar, step = _progress(privacy.rounds, on_round) if progress else (None, on_round)
         try:
             loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-                              max_empty_rounds=max_empty_rounds, on_round=step)
+                              max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase)
         finally:
             if bar is not None:
                 bar.close()

@@ -8,8 +8,14 @@ per-example / per-user clipping).
 | ``cifar_cnn()`` | seeds 001/004, CIFAR-10 "5-layer CNN" | 5 conv (tanh), global average pool | 411,466 |
 | ``barcode_cnn(c)`` | seed 003 App. B, Barcode-MNIST "2-convolution-layer CNN" | 2 conv + 2 linear (tanh) | 25,680 + 33·c |
 | ``w1_cnn()`` | BENCHMARKS.md W1 throughput workload | 2 conv (ReLU) + linear | 25,578 |
+| ``small_cnn(c, channels, size)`` | FEMNIST (1×28×28, c = 62), FLAIR (3×32×32, 17 labels) | the W1 CNN's layers | 5,088 + (32·(size/4)² + 1)·c + 144·(channels − 3) |
+| ``pair_classifier(V, c)`` | SNLI, QNLI sentence pairs | mean word embeddings of both sentences, [u, v, ∣u−v∣, u·v], MLP | V·e + 4e·h + h + h·c + c |
+| ``token_lm(V)`` | PTB, E2E, Shakespeare, StackOverflow next-token prediction | embeddings, causal convolutions + running mean, tied output | V·e + V + l·(k·e² + e) + e² + e |
 
-Every model maps a batch ``x`` (N, ...) to logits (N, classes), so ``nn.functional.cross_entropy`` is
+Text models (``pair_classifier``, ``token_lm``) take integer token ids with ``<pad>`` = 0 and mask padding by
+arithmetic, not by branching, so they vectorize over users with ``torch.func`` like the others.
+
+The image models map a batch ``x`` (N, ...) to logits (N, classes), so ``nn.functional.cross_entropy`` is
 the loss everywhere, and every model works under ``torch.func.functional_call`` + ``vmap`` + ``grad``
 (per-example or per-user gradients). Initialization is PyTorch's default unless stated; callers seed
 it (``torch.manual_seed``) before calling a factory.
@@ -28,11 +34,16 @@ __all__ = [
     "CifarCNN5",
     "LinearSoftmax",
     "Logistic1D",
+    "PairClassifier",
+    "TokenLM",
     "W1CNN",
     "barcode_cnn",
     "cifar_cnn",
     "linear_softmax",
     "logistic_1d",
+    "pair_classifier",
+    "small_cnn",
+    "token_lm",
     "w1_cnn",
 ]
 
@@ -182,16 +193,20 @@ def barcode_cnn(num_classes: int, activation: str = "tanh") -> BarcodeCNN:
 
 
 class W1CNN(nn.Module):
-    """BENCHMARKS.md W1 model (see :func:`w1_cnn`)."""
+    """BENCHMARKS.md W1 model (see :func:`w1_cnn`); other input sizes and channels: :func:`small_cnn`."""
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, num_classes: int = 10, channels: int = 3, size: int = 32):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        if size % 4:
+            raise ValueError(f"the image size must be divisible by 4 (two 2x2 poolings), got {size}")
+        self.channels, self.size = channels, size
+        self.conv1 = nn.Conv2d(channels, 16, 3, padding=1)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc = nn.Linear(32 * 8 * 8, num_classes)
+        self.fc = nn.Linear(32 * (size // 4) ** 2, num_classes)
         self.pool = nn.MaxPool2d(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1, self.channels, self.size, self.size)
         # ReLU(max-pool(z)) = max-pool(ReLU(z)) (ReLU is monotone), with the same gradient: a window whose
         # max is ≤ 0 gets none either way. Pooling first applies ReLU to 4× fewer values (20–25% faster
         # training on the 2-core CPUs here); tests/simulations/test_models.py checks the equality.
@@ -206,6 +221,76 @@ def w1_cnn(num_classes: int = 10) -> W1CNN:
     return W1CNN(num_classes)
 
 
+def small_cnn(num_classes: int, channels: int = 1, size: int = 28) -> W1CNN:
+    """The W1 CNN's layers for ``channels``×``size``×``size`` images: conv(channels→16, 3×3) → max-pool 2 →
+    ReLU → conv(16→32, 3×3) → max-pool 2 → ReLU → linear(32·(size/4)² → classes). FEMNIST (LEAF's 28×28
+    grey digits and letters, 62 classes; LEAF's own CNN has 6.6 M parameters, too many for 2 CPU cores):
+    160 + 4,640 + 97,278 = 102,078 parameters. FLAIR at 32×32 (17 labels): 448 + 4,640 + 34,833 = 39,921.
+    Inputs may come flat ((N, channels·size²), as LEAF stores them)."""
+    return W1CNN(num_classes, channels, size)
+
+
+class PairClassifier(nn.Module):
+    """Sentence-pair classifier (see :func:`pair_classifier`)."""
+
+    def __init__(self, vocab_size: int, num_classes: int, embedding: int = 64, hidden: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embedding)
+        self.hidden = nn.Linear(4 * embedding, hidden)
+        self.out = nn.Linear(hidden, num_classes)
+
+    def _sentence(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = (tokens != 0).to(self.embed.weight.dtype).unsqueeze(-1)  # <pad> = 0 contributes nothing
+        return (self.embed(tokens) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+    def forward(self, pairs: torch.Tensor) -> torch.Tensor:  # (N, 2, L) token ids → (N, classes)
+        u, v = self._sentence(pairs[:, 0]), self._sentence(pairs[:, 1])
+        features = torch.cat([u, v, (u - v).abs(), u * v], dim=1)
+        return self.out(torch.tanh(self.hidden(features)))
+
+
+def pair_classifier(vocab_size: int, num_classes: int, embedding: int = 64, hidden: int = 64) -> PairClassifier:
+    """SNLI / QNLI sentence-pair classifier trained from scratch (the seeds fine-tune BERT, which is neither
+    small nor available offline): each sentence is the mean of its word embeddings (u, v); the features
+    [u, v, |u − v|, u ⊙ v] (Conneau et al. 2017's pair features) go through tanh(linear) and a linear
+    layer to the logits. Input (N, 2, L) token ids, ``<pad>`` = 0. Parameters: V·e + (4e·h + h) + (h·c + c)
+    (V = 10,000, e = h = 64, c = 3: 656,643)."""
+    return PairClassifier(vocab_size, num_classes, embedding, hidden)
+
+
+class TokenLM(nn.Module):
+    """Causal next-token model (see :func:`token_lm`)."""
+
+    def __init__(self, vocab_size: int, embedding: int = 64, layers: int = 2, context: int = 4):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab_size, embedding)
+        nn.init.normal_(self.embed.weight, std=embedding**-0.5)  # tied output: logits of order 1 at the start
+        self.convs = nn.ModuleList(nn.Conv1d(embedding, embedding, context) for _ in range(layers))
+        self.summary = nn.Linear(embedding, embedding)
+        self.out_bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (N, L) → (N, L, V)
+        e = self.embed(tokens)  # (N, L, e)
+        positions = torch.arange(1, tokens.shape[1] + 1, dtype=e.dtype, device=e.device).reshape(1, -1, 1)
+        h = e + torch.tanh(self.summary(e.cumsum(1) / positions))  # running mean: everything so far
+        h = h.transpose(1, 2)
+        for conv in self.convs:
+            h = h + torch.tanh(conv(nn.functional.pad(h, (self.context - 1, 0))))  # sees the last `context`
+        return nn.functional.linear(h.transpose(1, 2), self.embed.weight, self.out_bias)
+
+
+def token_lm(vocab_size: int, embedding: int = 64, layers: int = 2, context: int = 4) -> TokenLM:
+    """A small causal next-token model for 2 CPU cores (the seeds fine-tune GPT-2, which is neither): token
+    embeddings plus tanh(linear(running mean of the embeddings so far)) (the whole prefix: the meaning
+    representation of an E2E prompt), then ``layers`` residual tanh causal convolutions over the last
+    ``context`` positions, and logits = h·Eᵀ + b with the embedding matrix E tied to the output (E is
+    initialized N(0, 1/e) so that the first logits are of order 1).
+    No recurrence and no attention mask built from the data, so it vectorizes over users. Parameters:
+    V·e + V + layers·(context·e² + e) + e² + e (V = 10,000, e = 64, 2 layers, context 4: 687,056)."""
+    return TokenLM(vocab_size, embedding, layers, context)
+
+
 #: Model factories by name; each returns a freshly initialized module.
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "linear_softmax": linear_softmax,
@@ -213,4 +298,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "cifar_cnn": cifar_cnn,
     "barcode_cnn": barcode_cnn,
     "w1_cnn": w1_cnn,
+    "small_cnn": small_cnn,
+    "pair_classifier": pair_classifier,
+    "token_lm": token_lm,
 }

@@ -37,7 +37,7 @@ from fed_dp.simulations.engine import train
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
            "read_results", "run_experiment"]
 
-DEFAULT_CONFIG = "heavy-tail-quick"
+DEFAULT_CONFIG = "main-job"
 
 
 def load_config(path: str | Path | None) -> dict[str, Any]:
@@ -167,7 +167,8 @@ def run_experiment(
 
         def on_round(record: dict[str, Any]) -> None:
             eps = record["epsilon"]
-            bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}", loss=f"{record['train_loss']:.3f}")
+            bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}",
+                            loss=f"{record['nonprivate_train_loss']:.3f}")
             bar.update(1)
 
         start = time.perf_counter()
@@ -175,7 +176,8 @@ def run_experiment(
             result = train(task, privacy, run.optimizer.build(), run.local,
                            adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
                            seed=seed, eval_every=run.run.eval_every, device=run.client.device,
-                           training=run.client.training, chunk_size=run.client.chunk_size, on_round=on_round)
+                           training=run.client.training, chunk_size=run.client.chunk_size, on_round=on_round,
+                           noise_source=run.server.chosen_noise_source or "torch")
         finally:
             bar.close()
         with (out / f"rounds-{name}.jsonl").open("w") as handle:

@@ -8,6 +8,9 @@ Two generators:
 * :func:`sparse_logistic_1d` -- the one-dimensional sparse logistic regression of
   seed 000 §5.1, used to compare AdaGrad variants (ALGORITHMS.md §3.8): most samples
   have ``x = 0`` and therefore a gradient that is exactly zero.
+* :func:`heavy_tail_mixture` -- the same class frequencies with inputs that depend on the label
+  (a Gaussian around a prototype per class), so a model can generalize and is evaluated on held-out
+  draws per frequency group: the main job of ``fed-dp simulate``.
 * :func:`w1_user_data` -- one user of the BENCHMARKS.md W1 throughput workload:
   CIFAR-shaped inputs and labels drawn from a generator seeded with the user id.
 
@@ -29,6 +32,7 @@ __all__ = [
     "SPARSE_LOGISTIC_TRUE_WEIGHT",
     "heavy_tail_class_sizes",
     "heavy_tail_data",
+    "heavy_tail_mixture",
     "sparse_logistic_1d",
     "w1_user_data",
 ]
@@ -194,6 +198,44 @@ def sparse_logistic_1d(
     keep = torch.rand((n, 1), generator=gen, dtype=torch.float64) < fraction
     x = torch.where(keep, z, torch.zeros((), dtype=torch.float32))
     return x, y
+
+
+def heavy_tail_mixture(
+    *,
+    groups: int = 5,
+    largest: int = 4096,
+    dim: int = 32,
+    spread: float = 1.0,
+    held_out: int = 64,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Heavy-tail class imbalance with learnable inputs: seed 003 §3's class sizes, Gaussian classes.
+
+    Class sizes and groups are those of :func:`heavy_tail_data` (group ``k`` has ``2^k`` classes of
+    ``L / 2^k`` training examples). Every class ``c`` has a prototype ``μ_c ~ N(0, I_d)``; an example of
+    class ``c`` is ``x = μ_c + spread · z`` with ``z ~ N(0, I_d)``. Unlike seed 003's memorization task,
+    labels depend on inputs, so a model generalizes, and how well each frequency group is learnt is
+    measured on ``held_out`` fresh draws of *every* class (the same number per class, so the rare groups
+    are measured as precisely as the frequent ones). ``spread`` sets how much the classes overlap (the
+    Bayes accuracy falls as it grows). Training labels are in a uniformly random order.
+
+    Returns ``(x, y, x_test, y_test, class_groups)``: float32 ``(n, d)`` and int64 ``(n,)`` training data
+    (n = G·L), float32 ``(c·held_out, d)`` and int64 held-out data, and the group of every class.
+    """
+    sizes = heavy_tail_class_sizes(groups=groups, largest=largest)
+    dim = _check_int("dim", dim, minimum=1)
+    held_out = _check_int("held_out", held_out, minimum=1)
+    if isinstance(spread, bool) or not isinstance(spread, numbers.Real) or not math.isfinite(spread) or spread < 0:
+        raise ValueError(f"spread must be a finite number >= 0, got {spread!r}")
+    gen = _generator(seed)
+    class_groups = _class_groups(int(groups))
+    prototypes = torch.randn((class_groups.numel(), dim), generator=gen)
+    labels = torch.repeat_interleave(torch.arange(class_groups.numel()), sizes)
+    y = labels[torch.randperm(labels.numel(), generator=gen)]
+    x = prototypes[y] + spread * torch.randn((y.numel(), dim), generator=gen)
+    y_test = torch.arange(class_groups.numel()).repeat_interleave(held_out)
+    x_test = prototypes[y_test] + spread * torch.randn((y_test.numel(), dim), generator=gen)
+    return x, y, x_test, y_test, class_groups
 
 
 def w1_user_data(user_id: int, examples: int = 32, *, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:

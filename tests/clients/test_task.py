@@ -76,9 +76,9 @@ def test_a_population_of_100000_users_on_disk_trains_loading_only_the_sampled_on
     privacy = PrivacyConfig(expected_cohort=5, rounds=3, noise_multiplier=1.0, delta=1e-6, accountant="rdp")
     result = train(task, privacy, "dp-sgd", LocalTraining(batch_size=3), seed=0, eval_every=0)
     assert result.privacy.num_users == 100_000
-    sampled = sum(r["cohort_size"] for r in result.records)
+    sampled = sum(r["nonprivate_cohort_size"] for r in result.records)
     assert len(loads) == sampled < 100  # one load per sampled user and round, nothing else
-    assert math.isfinite(result.records[-1]["train_loss"])
+    assert math.isfinite(result.records[-1]["nonprivate_train_loss"])
 
 
 def test_task_checks_what_it_is_given():

@@ -217,5 +217,6 @@ def test_clipper_state_dict_round_trip_reproduces_continuation():
 def test_clipper_seed_from_entropy_unless_given():
     cfg = AdaptiveClipConfig(bit_noise_std=1.0, initial_clip_norm=1.0)
     assert AdaptiveClipper(cfg, 10).seed != AdaptiveClipper(cfg, 10).seed
+    assert AdaptiveClipper(cfg, 10, source="secure").seed is None  # keyed from OS entropy
     a, b = AdaptiveClipper(cfg, 10, seed=5), AdaptiveClipper(cfg, 10, seed=5)
     assert a.noisy_unclipped_fraction(3, 10) == b.noisy_unclipped_fraction(3, 10)

@@ -1,11 +1,16 @@
-"""Checkpoints: atomic, exact resume (same final model, continued ledger, no reused noise), refusals."""
+"""Checkpoints: atomic, exact resume (same final model, continued ledger, no reused noise), refusals, and the
+split into a publishable part and a secret part (noise, sampler) written with owner-only permissions."""
 
 from __future__ import annotations
+
+import json
+import os
+import stat
 
 import pytest
 import torch
 
-from fed_dp.checkpoint import CHECKPOINT_NAME, load_checkpoint, resume, save_checkpoint
+from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, load_secret, resume, save_checkpoint
 from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import make_optimizer
 from fed_dp.round import Contribution, begin_round, finish_round, init_server
@@ -49,19 +54,47 @@ def test_no_checkpoint_means_a_fresh_start(tmp_path):
     assert resume(state, tmp_path) is None and state.round == 0
 
 
-def test_write_is_atomic_and_leaves_no_temporary_files(tmp_path):
+def test_write_is_atomic_and_leaves_only_the_committed_round(tmp_path):
     state = init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
     save_checkpoint(state, tmp_path)
+    state, _ = _round(state)
     save_checkpoint(state, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([COMMIT_NAME, "checkpoint-000001.pt", "secret"])
+    assert sorted(p.name for p in (tmp_path / "secret").iterdir()) == ["noise-000001.pt"]
+    assert json.loads((tmp_path / COMMIT_NAME).read_text())["round"] == 1
+
+
+def test_the_secret_part_is_owner_only_and_holds_everything_that_reproduces_noise_or_cohorts(tmp_path):
+    state = init_server(CONFIG, make_optimizer("dp-adam", lr=0.1), torch.zeros(DIM), seed=5)
+    state, _ = _round(state)
+    save_checkpoint(state, tmp_path)
+    assert stat.S_IMODE(os.stat(tmp_path / "secret").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "secret" / "noise-000001.pt").st_mode) == 0o600
+    public = load_checkpoint(tmp_path)["state"]
+    assert set(public) == {"round", "params", "opt_state", "ledger", "clip_norm"}
+    assert all(set(r) == {"round", "epsilon"} for r in public["ledger"]["records"])  # no cohort sizes
+    secret = load_secret(tmp_path)
+    assert {"privatizer", "sampler"} <= set(secret)
+    # whoever holds the secret part draws the very noise the server draws next (what the README warns about)
+    holder = init_server(CONFIG, make_optimizer("dp-adam", lr=0.1), torch.zeros(DIM))
+    holder.privatizer.load_state_dict(secret["privatizer"])
+    assert torch.equal(holder.privatizer.next_noise(), state.privatizer.next_noise())
 
 
 def test_foreign_or_mismatched_checkpoints_are_refused(tmp_path):
-    torch.save({"something": "else"}, tmp_path / CHECKPOINT_NAME)
-    with pytest.raises(ValueError, match="not a fed-dp server checkpoint"):
+    (tmp_path / COMMIT_NAME).write_text(json.dumps({"something": "else"}))
+    with pytest.raises(ValueError, match="not a fed-dp checkpoint record"):
         load_checkpoint(tmp_path)
+    (tmp_path / COMMIT_NAME).unlink()
     state = init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
     save_checkpoint(state, tmp_path)
     other = init_server(CONFIG.replace(noise_multiplier=2.0), make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
     with pytest.raises(ValueError, match="configuration"):
         resume(other, tmp_path)
+
+
+def test_public_and_secret_parts_of_different_rounds_are_refused(tmp_path):
+    state = init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
+    state, _ = _round(state)
+    with pytest.raises(ValueError, match="not written together"):
+        state.load_state_dict(state.state_dict(), {**state.secret_state_dict(), "round": 0})

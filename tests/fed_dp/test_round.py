@@ -44,7 +44,7 @@ def test_fedavg_step_is_noisy_sum_over_fixed_B():
     new, metrics = finish_round(state, plan, replies)
     expected = sum(r.total for r in replies) / config.expected_cohort
     torch.testing.assert_close(new.params, expected, atol=1e-7, rtol=0)
-    assert metrics["replied_users"] == 3
+    assert metrics["nonprivate"]["replied_users"] == 3
 
 
 def test_noise_on_zero_updates_has_std_sigma_zeta_over_B():
@@ -63,7 +63,7 @@ def test_an_oversized_contribution_is_reclipped_and_moves_the_model_by_at_most_z
     plan = begin_round(state)
     huge = torch.full((DIM,), 1e6, dtype=torch.float64)
     new, metrics = finish_round(state, plan, [Contribution(huge, 1, source="huge")])
-    assert metrics["reclipped_replies"] == 1 and metrics["replied_users"] == 1
+    assert metrics["nonprivate"]["reclipped_replies"] == 1 and metrics["nonprivate"]["replied_users"] == 1
     moved = new.params.norm().item()
     assert config.clip_norm / config.expected_cohort * (1 - 1e-6) <= moved <= config.clip_norm / config.expected_cohort * (1 + 1e-6)
 
@@ -134,10 +134,10 @@ def test_resume_from_checkpoint_reaches_the_same_model_and_ledger(name, noise, t
     straight = run(init_server(config, make_optimizer(name, lr=0.1), params0, seed=11), 6)
     first = run(init_server(config, make_optimizer(name, lr=0.1), params0, seed=11), 3)
     buffer = io.BytesIO()
-    torch.save(first.state_dict(), buffer)
+    torch.save((first.state_dict(), first.secret_state_dict()), buffer)
     buffer.seek(0)
     resumed = init_server(config, make_optimizer(name, lr=0.1), params0)  # fresh entropy seeds
-    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    resumed.load_state_dict(*torch.load(buffer, weights_only=False))
     resumed = run(resumed, 3)
     assert torch.equal(resumed.params, straight.params)
     assert resumed.ledger.records == straight.ledger.records
@@ -147,7 +147,7 @@ def test_resume_refuses_another_configuration():
     state = init_server(_config(), SGD(), torch.zeros(DIM), seed=1)
     other = init_server(_config(noise_multiplier=2.0), SGD(), torch.zeros(DIM), seed=1)
     with pytest.raises(ValueError, match="configuration"):
-        other.load_state_dict(state.state_dict())
+        other.load_state_dict(state.state_dict(), state.secret_state_dict())
 
 
 def test_ime_round_noises_both_moments_with_the_joint_sensitivity():
@@ -195,11 +195,11 @@ def test_noiseless_baseline_reports_not_private_and_alignment_only_in_simulation
         plan = begin_round(state)
         _, metrics = finish_round(state, plan, _honest_replies(plan, seed=2))
     assert metrics["epsilon"] == "not private"
-    assert 0 < metrics["alignment_ratio"] <= 1
+    assert 0 < metrics["nonprivate"]["alignment_ratio"] <= 1
     state = init_server(_config(), SGD(), torch.zeros(DIM, dtype=torch.float64), seed=1)
     plan = begin_round(state)
     _, metrics = finish_round(state, plan, _honest_replies(plan, seed=2))
-    assert isinstance(metrics["epsilon"], float) and "alignment_ratio" not in metrics
+    assert isinstance(metrics["epsilon"], float) and "alignment_ratio" not in metrics["nonprivate"]
 
 
 def test_bandmf_round_uses_the_strategy_noise(tmp_path, monkeypatch):
@@ -288,7 +288,7 @@ def test_adaptive_clipping_resumes_exactly_and_refuses_bandmf(tmp_path, monkeypa
     first = run(init_server(config, make_optimizer("dp-sgd"), torch.zeros(DIM, dtype=torch.float64), seed=4,
                             adaptive_clipping=ADAPTIVE), 2)
     resumed = init_server(config, make_optimizer("dp-sgd"), torch.zeros(DIM, dtype=torch.float64), adaptive_clipping=ADAPTIVE)
-    resumed.load_state_dict(first.state_dict())
+    resumed.load_state_dict(first.state_dict(), first.secret_state_dict())
     resumed = run(resumed, 2)
     assert resumed.clipper.clip_norm == straight.clipper.clip_norm and torch.equal(resumed.params, straight.params)
     monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))

@@ -202,7 +202,7 @@ def test_blt_epsilon_schedule_and_ledger_match_dp_accounting(name, accountant, t
     for t in range(1, cfg.rounds + 1):
         sigma_eff = cfg.noise_multiplier / math.sqrt(_brute_force_sens_sq(C, cfg.min_separation, t))
         direct = _direct(dp_accounting.GaussianDpEvent(sigma_eff), accountant)
-        record = ledger.record_round(5)
+        record = ledger.record_round()
         assert record.epsilon == schedule.at(t)
         if t in schedule.exact_rounds:
             assert schedule.at(t) == pytest.approx(direct, rel=1e-9), t

@@ -1,7 +1,8 @@
 """The fed-dp Flower apps in a real deployment: SuperLink and SuperNodes as processes on 127.0.0.1, over TLS.
 
 Each test starts its own SuperLink and SuperNodes (see deployment.py), submits ``flwr run . <federation>``
-from the repository root and reads what the ServerApp wrote: ``results.json`` and ``checkpoint.pt`` in an
+from the repository root and reads what the ServerApp wrote: ``results.json``, the checkpoint and the operator's
+secret diagnostics (``secret/diagnostics.jsonl``: counts that published records do not carry) in an
 absolute ``server.checkpoint-dir``, and its log lines in the ``flwr run --stream`` output. The expected ε
 comes from ``fed_dp.accounting.epsilon`` with a PrivacyConfig built here and checked against the one the
 ServerApp parses from pyproject.toml's run config. Every process is stopped (process group) after each test.
@@ -27,7 +28,7 @@ import torch
 from deployment import COMPLETED, REPO, Deployment, RunResult, make_certificates
 
 from fed_dp.accounting import epsilon, resolve_privacy
-from fed_dp.checkpoint import load_checkpoint
+from fed_dp.checkpoint import load_checkpoint, read_diagnostics
 from fed_dp.clients.task import build_task, initial_model
 from fed_dp.config import PrivacyConfig
 from fed_dp.round import begin_round, finish_round, init_server
@@ -104,10 +105,10 @@ def read_results(checkpoint_dir: Path) -> list[dict[str, Any]]:
     return json.loads((checkpoint_dir / "results.json").read_text())
 
 
-def logged_rounds(output: str, rounds: int) -> dict[int, tuple[int, int, float]]:
-    """round (1-based) → (cohort, replied, ε) from the ServerApp's "round t/T: ..." log lines."""
-    pattern = rf"round (\d+)/{rounds}: cohort (\d+), replied (\d+), epsilon ([0-9.]+)"
-    return {int(t): (int(c), int(r), float(e)) for t, c, r, e in re.findall(pattern, output)}
+def logged_rounds(output: str, rounds: int) -> dict[int, float]:
+    """round (1-based) → ε from the ServerApp's "round t/T: epsilon ..., delta ..." log lines."""
+    pattern = rf"round (\d+)/{rounds}: epsilon ([0-9.]+), delta"
+    return {int(t): float(e) for t, e in re.findall(pattern, output)}
 
 
 def assert_ledger_is_uninterrupted(records: list[dict[str, Any]], config: PrivacyConfig, checkpoint_dir: Path) -> None:
@@ -117,7 +118,7 @@ def assert_ledger_is_uninterrupted(records: list[dict[str, Any]], config: Privac
     ledger = load_checkpoint(checkpoint_dir)["state"]["ledger"]
     assert PrivacyConfig(**ledger["config"]) == config
     assert [r["epsilon"] for r in ledger["records"]] == [epsilon(config, t + 1) for t in range(config.rounds)]
-    assert [r["cohort_size"] for r in ledger["records"]] == [r["cohort_size"] for r in records]
+    assert all(set(r) == {"round", "epsilon"} for r in ledger["records"])  # the published ledger: no counts
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +163,12 @@ def test_tls_deployment_three_supernodes_trains_and_reports_epsilon(tmp_path, ne
     assert_ledger_is_uninterrupted(records, config, checkpoint_dir)
     logged = logged_rounds(result.output, 3)
     assert sorted(logged) == [1, 2, 3], f"the ServerApp did not log ε every round:\n{result.output[-3000:]}"
-    assert [r["cohort_size"] for r in records] == [len(c) for c in uninterrupted_cohorts(overrides)]
-    for t, record in enumerate(records, start=1):
-        assert logged[t] == (record["cohort_size"], record["replied_users"], pytest.approx(record["epsilon"], abs=5e-5))
-        assert record["dropped"] == [] and record["replied_users"] == record["cohort_size"]
+    counts = read_diagnostics(checkpoint_dir)
+    assert [c["cohort_size"] for c in counts] == [len(c) for c in uninterrupted_cohorts(overrides)]
+    for t, (record, count) in enumerate(zip(records, counts, strict=True), start=1):
+        assert logged[t] == pytest.approx(record["epsilon"], abs=5e-5)
+        assert count["dropped"] == [] and count["replied_users"] == count["cohort_size"]
+        assert not {"cohort_size", "replied_users", "dropped"} & set(record)
         assert 0.0 <= record["eval_accuracy"] <= 1.0
     initial = initial_model(build_task(RunConfig.from_flat({}).task), SEED)[2]
     final = load_checkpoint(checkpoint_dir)["state"]["params"]
@@ -202,9 +205,10 @@ def test_killing_a_supernode_mid_run_still_completes_with_an_unchanged_ledger(tm
     records = read_results(checkpoint_dir)
     assert len(records) == 4
     assert_ledger_is_uninterrupted(records, config, checkpoint_dir)
-    assert [r["cohort_size"] for r in records] == [len(c) for c in cohorts], "a lost node changed the sampling"
-    assert records[0]["dropped"] == [] and records[0]["replied_users"] == records[0]["cohort_size"]
-    for t, (record, cohort) in enumerate(zip(records, cohorts, strict=True)):
+    counts = read_diagnostics(checkpoint_dir)
+    assert [c["cohort_size"] for c in counts] == [len(c) for c in cohorts], "a lost node changed the sampling"
+    assert counts[0]["dropped"] == [] and counts[0]["replied_users"] == counts[0]["cohort_size"]
+    for t, (record, cohort) in enumerate(zip(counts, cohorts, strict=True)):
         sampled = len(cohort & victim_users)
         lost = record["cohort_size"] - record["replied_users"]
         # round 2's message may in principle have been answered before the signal; rounds 3 and 4 cannot be
@@ -220,7 +224,7 @@ def test_killing_a_supernode_mid_run_still_completes_with_an_unchanged_ledger(tm
 
 def load_checkpoint_when_written(folder: Path) -> dict[str, Any] | None:
     """The checkpoint, or None while there is none (it is replaced atomically, never read half-written)."""
-    return load_checkpoint(folder) if (folder / "checkpoint.pt").exists() else None
+    return load_checkpoint(folder)
 
 
 def test_supernode_authentication_rejects_unregistered_nodes(tmp_path, new_deployment, certificates):
@@ -245,5 +249,6 @@ def test_supernode_authentication_rejects_unregistered_nodes(tmp_path, new_deplo
     result = d.run(overrides, timeout=180)
 
     assert_completed(result, d)
-    (record,) = read_results(checkpoint_dir)
+    assert len(read_results(checkpoint_dir)) == 1
+    (record,) = read_diagnostics(checkpoint_dir)
     assert record["dropped"] == [] and record["replied_users"] == record["cohort_size"]

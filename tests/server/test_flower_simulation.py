@@ -11,7 +11,7 @@ import torch
 
 import flower_run
 from fed_dp.accounting import epsilon, resolve_privacy
-from fed_dp.checkpoint import load_checkpoint
+from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients.task import build_task
 from fed_dp.config import LocalTraining
 from fed_dp.run_config import RunConfig
@@ -47,7 +47,10 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
     assert [r["round"] for r in records] == [0, 1, 2]
     for t, record in enumerate(records):
         assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1), rel=1e-12)
-        assert record["replied_users"] == record["cohort_size"] and not record["dropped"]
+        assert not {"cohort_size", "replied_users", "dropped"} & set(record)  # published: no counts
+    for counts in read_diagnostics(out):  # the operator's secret diagnostics
+        assert counts["replied_users"] == counts["cohort_size"] and not counts["dropped"]
+    for record in records:
         assert f"epsilon {record['epsilon']:.4f}" in log
     flower_params = load_checkpoint(out)["state"]["params"]
 
@@ -79,7 +82,7 @@ def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
     local = LocalTraining(epochs=1, batch_size=4, lr=0.05)
     for path, tolerance in (("auto", {"rtol": 1e-5, "atol": 1e-6}), ("vectorized", {"rtol": 1e-4, "atol": 1e-5})):
         engine = train(task, privacy, "dp-fedavg", local, seed=11, training=path, device="cpu")
-        assert [r["cohort_size"] for r in engine.records] == [r["cohort_size"] for r in records]
+        assert [r["nonprivate_cohort_size"] for r in engine.records] == [c["cohort_size"] for c in read_diagnostics(out)]
         assert [r["epsilon"] for r in engine.records] == [r["epsilon"] for r in records]
         torch.testing.assert_close(flower_params, engine.params, **tolerance)
     torch.manual_seed(11)
@@ -95,7 +98,7 @@ def test_kill_and_resume_reaches_the_same_model_with_a_continued_ledger(tmp_path
     process = flower_run.start(home, {**base, "server.checkpoint-dir": str(interrupted)}, supernodes=2)
     try:
         def two_rounds_saved() -> bool:
-            payload = (interrupted / "checkpoint.pt").exists() and load_checkpoint(interrupted)
+            payload = (interrupted / COMMIT_NAME).exists() and load_checkpoint(interrupted)
             return bool(payload) and payload["state"]["round"] >= 2
 
         flower_run.wait_for(two_rounds_saved, 180, "two checkpointed rounds")
@@ -133,7 +136,7 @@ def test_the_readme_flwr_run_command_works_and_prints_epsilon(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0
     expected = epsilon(_privacy({}), 5)  # the defaults: 40 users, B = 10, σ = 1, δ = 1e-5, PLD
-    assert re.search(rf"round 5/5: cohort \d+, replied \d+, epsilon {expected:.4f}", output), output[-3000:]
+    assert re.search(rf"round 5/5: epsilon {expected:.4f}, delta 1e-05", output), output[-3000:]
     assert f"fed-dp finished: 5 rounds, user-level epsilon {expected:.4f}" in output
     assert f"epsilon {expected:.4f}" in section  # the README shows what the command prints
 
@@ -158,8 +161,34 @@ def test_adaptive_clipping_bits_travel_through_flower(tmp_path):
     flower_run.run(tmp_path / "home", config, supernodes=2)
     records = _results(out)
     privacy = _privacy(config)
-    assert len(records) == 3 and all(r["replied_users"] == r["cohort_size"] for r in records)
+    counts = read_diagnostics(out)
+    assert len(records) == 3 and all(c["replied_users"] == c["cohort_size"] for c in counts)
     assert records[0]["clip_norm"] == privacy.clip_norm
     assert [r["clip_norm"] for r in records[1:]] == [r["next_clip_norm"] for r in records[:-1]]
-    assert all(0 <= r["unclipped_users"] <= r["replied_users"] for r in records)
+    assert all(0 <= c["unclipped_users"] <= c["replied_users"] for c in counts)
     assert records[-1]["epsilon"] == pytest.approx(epsilon(privacy, 3))
+
+
+def test_a_text_task_from_local_files_runs_through_flower(tmp_path):
+    """Penn Treebank (ptb.*.txt in a local folder, task.root) through `flwr run`: each process reads the files
+    and builds the same vocabulary and users; ε is dp_accounting's and the final model the in-process
+    engine's for the same seeds."""
+    data = tmp_path / "ptb"
+    data.mkdir()
+    lines = [" the cat sat on the mat ", " a dog ran in the park N times ", " the <unk> was big and the cat ran ",
+             " we sat in the park ", " N dogs and N cats "]
+    for split in ("train", "valid", "test"):
+        (data / f"ptb.{split}.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "ckpt"
+    config = {"task.ref": "ptb", "task.root": str(data), "task.users": 4, "task.length": 6,
+              "privacy.expected-cohort": 2, "privacy.rounds": 2, "privacy.accountant": "rdp", "run.seed": 3,
+              "local.batch-size": 2, "server.checkpoint-dir": str(out)}
+    log = flower_run.run(tmp_path / "home", config, supernodes=2)
+    assert "2 SuperNode(s) host 4 of the 4 users" in log, log[-3000:]
+    records = _results(out)
+    run = RunConfig.from_flat(config)
+    privacy = resolve_privacy(run.privacy, 4)
+    assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in (1, 2)]
+    assert "eval_perplexity" in records[-1]
+    engine = train(build_task(run.task), privacy, run.optimizer.build(), run.local, seed=3, device="cpu")
+    torch.testing.assert_close(load_checkpoint(out)["state"]["params"], engine.params, rtol=1e-5, atol=1e-6)

@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from fed_dp.accounting import epsilon
-from fed_dp.checkpoint import load_checkpoint
+from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients import protocol
 from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
 from fed_dp.clients.task import initial_model
@@ -202,8 +202,12 @@ def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_
     assert [r["epsilon"] for r in result.records] == [epsilon(PRIVACY, t) for t in (1, 2, 3)] == \
         [r["epsilon"] for r in engine.records]
     assert result.epsilon == epsilon(PRIVACY, 3) and result.delta == 1e-5 and result.stopped is None
-    assert [r["cohort_size"] for r in result.records] == [r["cohort_size"] for r in engine.records]
-    assert all(r["replied_users"] == r["cohort_size"] and not r["dropped"] for r in result.records)
+    counts = read_diagnostics(tmp_path)  # the operator's (secret) diagnostics: nothing of it is in the records
+    assert [c["cohort_size"] for c in counts] == [r["nonprivate_cohort_size"] for r in engine.records]
+    assert all(c["replied_users"] == c["cohort_size"] and not c["dropped"] for c in counts)
+    published = {key for record in result.records for key in record}
+    assert not published & {"cohort_size", "replied_users", "unclipped_users", "reclipped_replies", "dropped"}
+    assert not any(key.startswith("nonprivate") for key in published)
     final = strategy.layout.flatten(dict(result.arrays.to_torch_state_dict()))
     torch.testing.assert_close(final, engine.params, rtol=1e-5, atol=1e-6)
     assert torch.equal(load_checkpoint(tmp_path)["state"]["params"], strategy.state.params)
@@ -257,7 +261,7 @@ def test_nodes_without_a_query_handler_stop_the_run_before_any_budget_is_spent(t
     strategy = UserLevelDP(PRIVACY, "dp-fedavg", seed=1, checkpoint_dir=str(tmp_path))
     with pytest.raises(NoUsersError, match=r"node 100: error reply .*No query function registered.*@app.query"):
         strategy.start(InProcessGrid({100: no_query, 101: no_query}), model_arrays(initial_model(TASK, 1)[0]))
-    assert strategy.state.ledger.rounds == 0 and not (tmp_path / "checkpoint.pt").exists()
+    assert strategy.state.ledger.rounds == 0 and not (tmp_path / COMMIT_NAME).exists()
 
 
 def test_replies_that_stop_coming_end_the_run_after_max_empty_rounds(tmp_path):
@@ -275,7 +279,7 @@ def test_replies_that_stop_coming_end_the_run_after_max_empty_rounds(tmp_path):
     assert len(load_checkpoint(tmp_path)["state"]["ledger"]["records"]) == 2
 
 
-def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_users():
+def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_users(tmp_path):
     def foreign(message: Message) -> Message:
         if message.metadata.message_type == MessageType.QUERY:
             return query_reply(message, range(20, 40))
@@ -286,11 +290,13 @@ def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_us
     grid = InProcessGrid({100: honest_node(100, 2), 101: foreign})
     grid.nodes[100] = lambda m: query_reply(m, range(20)) if m.metadata.message_type == MessageType.QUERY \
         else honest_node(100, 1)(m)
-    result = UserLevelDP(PRIVACY, "dp-fedavg", seed=4).start(grid, model_arrays(initial_model(TASK, 4)[0]))
-    for record in result.records:
+    UserLevelDP(PRIVACY, "dp-fedavg", seed=4, checkpoint_dir=str(tmp_path)).start(
+        grid, model_arrays(initial_model(TASK, 4)[0]))
+    counts = read_diagnostics(tmp_path)
+    for record in counts:
         assert all("node 101: total has shape (3,)" in p for p in record["dropped"])
-        assert record["replied_users"] <= record["cohort_size"]
-    assert any(r["dropped"] for r in result.records)
+        assert record["replied_users"] + record["dropped_users"] == record["cohort_size"]
+    assert any(r["dropped"] for r in counts)
 
 
 def simulation_built(name: str):

@@ -81,6 +81,9 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
         assert row["ratio"] == pytest.approx(row["step_seconds"] / noise["gaussian_seconds"])
         assert row["error_min_sep_vs_bandmf"] == pytest.approx(row["error_min_sep"] / rows[f"BandMF b = {b}"]["error_min_sep"])
         assert row["error_min_sep"] <= independent["error_min_sep"] and row["error_one"] <= independent["error_one"]
+    secure = results["secure-noise"]["rows"][0]
+    assert secure["device"] == "cpu" and secure["throughput_ratio"] == pytest.approx(
+        secure["torch_seconds"] / secure["secure_seconds"])
     accounting = results["accounting"]
     assert accounting["epsilon"] == accounting["schedule_pld_last"] > 0  # T is an exact round of the schedule
     assert accounting["calibrated_sigma_pld"] <= accounting["calibrated_sigma_rdp"]  # PLD is tighter

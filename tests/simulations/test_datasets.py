@@ -281,3 +281,74 @@ def test_barcode_mnist_rejects_impossible_requests():
         make_barcode_mnist(x, y, groups=((0, 1),), seed=0)
     with pytest.raises(ValueError, match="seed"):
         make_barcode_mnist(x, y, groups=((1, 1),), seed=-1)
+
+
+# ------------------------------------------------------------------------------ text: SNLI, QNLI, PTB, E2E
+
+from data_fixtures import E2E_ROWS, PTB_LINES, QNLI_ROWS, SNLI_ROWS, write_e2e, write_ptb, write_qnli, write_snli  # noqa: E402
+
+from fed_dp.simulations.datasets import QNLI_LABELS, SNLI_LABELS, load_e2e, load_ptb, load_qnli, load_snli  # noqa: E402
+
+
+def test_snli_reads_every_labelled_pair_and_leaves_out_no_consensus(tmp_path):
+    write_snli(tmp_path)
+    data = load_snli(tmp_path)  # the parent of snli_1.0/
+    kept = [row for row in SNLI_ROWS if row[0] != "-"]
+    for split in ("train", "dev", "test"):
+        premises, hypotheses, labels = data[split]
+        assert premises == [r[1] for r in kept] and hypotheses == [r[2] for r in kept]
+        assert [SNLI_LABELS[i] for i in labels] == [r[0] for r in kept]
+    assert load_snli(tmp_path / "snli_1.0")["train"] == data["train"]  # or the folder itself
+
+
+def test_snli_errors_name_the_files_and_the_line(tmp_path):
+    with pytest.raises(FileNotFoundError) as error:
+        load_snli(tmp_path / "nowhere")
+    assert "snli_1.0_train.jsonl" in str(error.value) and "snli_1.0.zip" in str(error.value)
+    folder = write_snli(tmp_path)
+    (folder / "snli_1.0_dev.jsonl").write_text('{"gold_label": "neutral", "sentence1": "a", "sentence2": "b"}\n'
+                                               '{"gold_label": "maybe", "sentence1": "a", "sentence2": "b"}\n')
+    with pytest.raises(ValueError, match=r"snli_1.0_dev.jsonl, line 2: gold_label 'maybe'"):
+        load_snli(tmp_path)
+    (folder / "snli_1.0_dev.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"snli_1.0_dev.jsonl, line 1"):
+        load_snli(tmp_path)
+
+
+def test_qnli_reads_glue_tsv(tmp_path):
+    write_qnli(tmp_path)
+    data = load_qnli(tmp_path)
+    for split in ("train", "dev"):
+        questions, sentences, labels = data[split]
+        assert questions == [r[0] for r in QNLI_ROWS] and sentences == [r[1] for r in QNLI_ROWS]
+        assert [QNLI_LABELS[i] for i in labels] == [r[2] for r in QNLI_ROWS]
+    with pytest.raises(FileNotFoundError, match="train.tsv.*GLUE"):
+        load_qnli(tmp_path / "nowhere")
+    (tmp_path / "QNLI" / "dev.tsv").write_text("index\tquestion\tsentence\tlabel\n0\tq\ts\tyes\n")
+    with pytest.raises(ValueError, match=r"dev.tsv, line 2"):
+        load_qnli(tmp_path)
+    (tmp_path / "QNLI" / "dev.tsv").write_text("idx\tq\n")
+    with pytest.raises(ValueError, match="header"):
+        load_qnli(tmp_path)
+
+
+def test_ptb_lines_are_sentences_ending_in_eos(tmp_path):
+    write_ptb(tmp_path / "simple-examples" / "data")
+    data = load_ptb(tmp_path)
+    for split in ("train", "valid", "test"):
+        assert data[split] == [line.split() + ["<eos>"] for line in PTB_LINES]
+    assert sum(len(s) for s in data["train"]) == sum(len(line.split()) + 1 for line in PTB_LINES)
+    with pytest.raises(FileNotFoundError, match="ptb.train.txt.*simple-examples"):
+        load_ptb(tmp_path / "nowhere")
+
+
+def test_e2e_reads_quoted_csv_fields(tmp_path):
+    write_e2e(tmp_path)
+    data = load_e2e(tmp_path)
+    for split in ("train", "dev"):
+        assert data[split] == ([r[0] for r in E2E_ROWS], [r[1] for r in E2E_ROWS])  # commas, quotes, newlines kept
+    with pytest.raises(FileNotFoundError, match="trainset.csv.*E2E"):
+        load_e2e(tmp_path / "nowhere")
+    (tmp_path / "devset.csv").write_text("mr,ref\na,b,c\n")
+    with pytest.raises(ValueError, match=r"devset.csv, row 2: expected 2 fields"):
+        load_e2e(tmp_path)

@@ -16,6 +16,7 @@ from fed_dp.clipping import clip_update
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
+from fed_dp.randomness import derive_seed
 from fed_dp.simulations.engine import train
 
 
@@ -67,11 +68,11 @@ def test_fedavg_with_negligible_noise_adds_the_clipped_updates_over_B():
     model = task.build_model()
     layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
     params0 = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
-    cohort = state.sampler.__class__(privacy, seed=3).next_cohort()
+    cohort = state.sampler.__class__(privacy, seed=derive_seed(3, "sampler")).next_cohort()  # the run's own seeds
     total = torch.zeros_like(params0)
     for uid in cohort.tolist():
         delta, _ = local_delta(model, layout, params0, task.users[uid], training, losses.classification,
-                               user_generator(3, 0, uid))
+                               user_generator(derive_seed(3, "local-training"), 0, uid))
         total += clip_update(delta, 0.05).update
     torch.testing.assert_close(state.params, params0 + total / privacy.expected_cohort, atol=1e-6, rtol=0)
 
@@ -107,7 +108,7 @@ def test_every_optimizer_family_runs_through_the_engine():
     with simulation():
         baseline = make_optimizer("noiseless-adam")
     _, records = run(task, privacy, baseline, LocalTraining(), seed=0)
-    assert records[-1]["epsilon"] == "not private" and "alignment_ratio" in records[-1]
+    assert records[-1]["epsilon"] == "not private" and "nonprivate_alignment_ratio" in records[-1]
 
 
 def test_population_mismatch_is_refused():
@@ -212,7 +213,7 @@ def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_che
 
     task = _task()
     good = train(task, _privacy(rounds=2), "dp-sgd", LocalTraining(), seed=1)
-    limit = sum(r["cohort_size"] for r in good.records) * 1  # batch 16 > 4 examples: one step per user and round
+    limit = sum(r["nonprivate_cohort_size"] for r in good.records) * 1  # batch 16 > 4 examples: one step per user and round
     bad_task = Task(name="fragile", users=task.users, model=task.model, loss=fragile)
     with pytest.raises(ValueError, match=r"loss of user \d+ became nan .*round 3"):
         train(bad_task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fed_dp.simulations.models import MODELS, barcode_cnn, cifar_cnn, linear_softmax, logistic_1d, w1_cnn
+from fed_dp.simulations.models import (MODELS, barcode_cnn, cifar_cnn, linear_softmax, logistic_1d, pair_classifier,
+                                      small_cnn, token_lm, w1_cnn)
 
 
 def _conv(cin: int, cout: int, k: int) -> int:
@@ -31,11 +32,53 @@ CASES = {
     "barcode_cnn": (lambda: barcode_cnn(330), (28, 28), 330,
                     _conv(1, 16, 8) + _conv(16, 32, 4) + _linear(32 * 4 * 4, 32) + _linear(32, 330)),
     "w1_cnn": (w1_cnn, (3, 32, 32), 10, _conv(3, 16, 3) + _conv(16, 32, 3) + _linear(32 * 8 * 8, 10)),
+    "small_cnn": (lambda: small_cnn(62), (1, 28, 28), 62, _conv(1, 16, 3) + _conv(16, 32, 3) + _linear(32 * 7 * 7, 62)),
+}
+# Text models take integer token ids: (factory, input shape, output shape after the batch, parameter count).
+TEXT_CASES = {
+    "pair_classifier": (lambda: pair_classifier(50, 3, 8, 6), (2, 7), (3,), 50 * 8 + _linear(32, 6) + _linear(6, 3)),
+    "token_lm": (lambda: token_lm(50, 8, 2, 3), (7,), (7, 50), 50 * 8 + 50 + 2 * (3 * 8 * 8 + 8) + _linear(8, 8)),
 }
 
 
 def test_registry_names_every_model():
-    assert set(MODELS) == set(CASES)
+    assert set(MODELS) == set(CASES) | set(TEXT_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_CASES))
+def test_text_models_shapes_counts_and_vmapped_gradients(name):
+    """Output shape, parameter count from the layer shapes, padding ignored by the pair classifier, and
+    per-example gradients under vmap equal to a loop (no data-dependent control flow)."""
+    factory, shape, out_shape, params = TEXT_CASES[name]
+    torch.manual_seed(0)
+    model = factory()
+    tokens = torch.randint(1, 50, (4, *shape))
+    out = model(tokens)
+    assert out.shape == (4, *out_shape) and _count(model) == params
+    assert not [m for m in model.modules() if isinstance(m, (nn.modules.batchnorm._NormBase, nn.Dropout))]
+    if name == "pair_classifier":
+        padded = torch.cat([tokens, torch.zeros(4, 2, 5, dtype=torch.long)], dim=2)
+        torch.testing.assert_close(model(padded), out)
+    else:  # causal: the outputs at a position do not depend on later tokens
+        changed = tokens.clone()
+        changed[:, -1] = (changed[:, -1] % 49) + 1
+        torch.testing.assert_close(model(changed)[:, :-1], out[:, :-1])
+    named = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, t):
+        return functional_call(model, p, (t.unsqueeze(0),)).square().mean()
+
+    per_example = vmap(grad(loss), in_dims=(None, 0))(named, tokens)
+    for i in range(4):
+        model.zero_grad()
+        model(tokens[i : i + 1]).square().mean().backward()
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(per_example[k][i], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_documented_text_and_federated_model_sizes():
+    assert _count(small_cnn(62)) == 102_078 and _count(small_cnn(17, 3, 32)) == 39_921
+    assert _count(pair_classifier(10_000, 3)) == 656_643 and _count(token_lm(10_000)) == 687_056
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

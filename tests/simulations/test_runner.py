@@ -12,7 +12,7 @@ from fed_dp.simulations.cli import main
 from fed_dp.simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
 
 TINY = [
-    "task.groups=2", "task.largest=8", "task.users=16",
+    "task.groups=2", "task.largest=8", "task.users=16", "task.held-out=4",
     "privacy.expected-cohort=4", "privacy.rounds=3", "run.eval-every=1",
     'run.optimizers=["dp-sgd","dp-adambc"]',
 ]
@@ -26,12 +26,14 @@ def _privacy(config: dict, num_users: int = 16):
     return resolve_privacy(parse_experiment(config).privacy, num_users)
 
 
-def test_default_config_is_a_valid_heavy_tail_comparison():
+def test_default_config_is_the_main_job():
+    """Issue 14's main job: >= 10,000 users, a meaningful ε (<= 8) at δ <= 1/N, DP-FedAvg/DP-SGDM, DP-Adam,
+    DP-AdamBC and scale-then-privatize compared."""
     config = load_config(None)
-    assert config["task"]["ref"] == "heavy-tail"
-    assert len(config["run"]["optimizers"]) >= 3
+    assert config["task"]["ref"] == "heavy-tail-mixture" and config["task"]["users"] >= 10_000
+    assert {"dp-sgdm", "dp-adam", "dp-adambc", "dp-adam-stp"} <= set(config["run"]["optimizers"])
     experiment = parse_experiment(config)
-    assert experiment.privacy.target_epsilon == config["privacy"]["target-epsilon"]
+    assert experiment.privacy.target_epsilon <= 8 and experiment.privacy.delta <= 1 / config["task"]["users"]
     assert epsilon(_privacy(config, config["task"]["users"])) <= experiment.privacy.target_epsilon  # σ meets it
 
 
@@ -74,7 +76,9 @@ def test_population_given_in_the_config_must_be_the_tasks(tmp_path):
 def test_client_table_chooses_the_training_path_device_and_chunks():
     client = parse_experiment(_tiny(['client.training="vectorized"', 'client.device="cpu"', "client.chunk-size=4"])).base.client
     assert (client.vectorized, client.device, client.chunk_size) == (True, "cpu", 4)
-    default = parse_experiment(_tiny()).base.client
+    config = _tiny()
+    config.pop("client", None)  # the schema's defaults
+    default = parse_experiment(config).base.client
     assert (default.vectorized, default.device, default.chunk_size) == (None, "auto", None)
     assert parse_experiment(_tiny(['client.training="sequential"'])).base.client.vectorized is False
 
@@ -89,7 +93,7 @@ def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
         assert [r["round"] for r in records] == [0, 1, 2]
         for t, record in enumerate(records):
             assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1))
-            assert {"group0_accuracy", "group1_accuracy", "eval_loss", "train_loss"} <= set(record)
+            assert {"group0_accuracy", "group1_accuracy", "eval_loss", "nonprivate_train_loss"} <= set(record)
     assert "nu_hat_median" in results["dp-adambc"][-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[0]["epsilon"] == pytest.approx(epsilon(privacy))
@@ -182,3 +186,40 @@ def test_blt_noise_runs_through_the_runner_with_calibration(tmp_path, monkeypatc
     assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in range(1, 6)]  # ≤ 10 rounds: all exact
     assert rows[0]["epsilon"] == pytest.approx(epsilon(privacy)) and epsilon(privacy) <= 4.0
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blt-T5-k2-m4-prefix-sum.json"]
+
+
+DATA_CONFIGS = [n for n in _builtin_configs() if load_config(n)["task"]["ref"] in
+                ("snli", "qnli", "ptb", "e2e", "femnist", "shakespeare", "stackoverflow", "flair")]
+
+
+@pytest.mark.parametrize("name", sorted({n.removesuffix("-paper") for n in DATA_CONFIGS}))
+def test_every_data_task_has_a_cpu_sized_and_a_paper_sized_config(name):
+    assert {name, f"{name}-paper"} <= set(DATA_CONFIGS)
+
+
+@pytest.mark.parametrize("name", [n for n in DATA_CONFIGS if not n.endswith("-paper")])
+def test_fed_dp_simulate_runs_each_data_config_end_to_end_on_a_fixture(name, tmp_path):
+    """`fed-dp simulate --config NAME --set task.root=<fixture>`: the config's task on tiny files in the real
+    format, shrunk to 2 rounds of one optimizer (the fixture has a handful of users)."""
+    import data_fixtures
+
+    config = load_config(name)
+    root = data_fixtures.write(config["task"]["ref"], tmp_path / "data")
+    shrink = [f"task.root={root}", "privacy.rounds=2", "privacy.expected-cohort=2", "run.eval-every=1",
+              f'run.optimizers=["{config["run"]["optimizers"][-1]}"]']
+    if "users" in config["task"]:
+        shrink.append("task.users=3")
+    sets = [arg for item in shrink for arg in ("--set", item)]
+    assert main(["simulate", "--config", name, *sets, "--out", str(tmp_path / "out"), "--quiet", "--no-plot"]) == 0
+    records = read_results(tmp_path / "out")[config["run"]["optimizers"][-1]]
+    assert len(records) == 2 and "eval_loss" in records[-1]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["resolved"]["num_users"] >= 2
+
+
+def test_config_option_is_the_positional_config(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "main-job", "--config", "ptb"])
+    assert exit_.value.code == 2 and "two configs given" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--config", "no-such-config"])
+    assert "built-in configs" in capsys.readouterr().err

@@ -138,3 +138,80 @@ def test_w1_task_is_benchmarks_md_w1():
     assert not torch.equal(task.users[0].fields[0], task.users[1].fields[0])
     with pytest.raises(ValueError, match="users"):
         build_task("w1", users=0)
+
+
+# ------------------------------------------------------------------ text and natural-user tasks on fixtures
+
+import data_fixtures  # noqa: E402
+
+from fed_dp.simulations import text  # noqa: E402
+
+SPLIT_TASKS = ("snli", "qnli", "ptb", "e2e")  # dealt to users by a partitioner
+NATURAL_TASKS = ("femnist", "shakespeare", "stackoverflow", "flair")  # users from the data
+
+
+@pytest.mark.parametrize("name", SPLIT_TASKS + NATURAL_TASKS)
+def test_text_and_federated_tasks_build_train_a_step_and_evaluate(name, tmp_path):
+    root = data_fixtures.write(name, tmp_path / name)
+    task = build_task(name, root=str(root), **({"users": 3} if name in SPLIT_TASKS else {}))
+    model = task.build_model()
+    batch = task.users[0].select(slice(0, 2))
+    loss = task.loss(model, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+    with torch.no_grad():
+        metrics = task.evaluate(model)
+    assert "eval_loss" in metrics and all(np.isfinite(v) for v in metrics.values())
+    assert str(root) in task.description
+
+
+def test_natural_users_are_the_datas_own(tmp_path):
+    train, _ = data_fixtures.write_femnist(tmp_path / "femnist")
+    task = build_task("femnist", root=str(tmp_path / "femnist"))
+    assert task.users.ids == tuple(train) and task.num_users == 3
+    for i, user in enumerate(train):
+        x, y = task.users[i].fields
+        assert y.tolist() == train[user][1]
+        torch.testing.assert_close(x.reshape(len(y), -1), torch.tensor(train[user][0], dtype=torch.float32))
+    assert build_task("femnist", root=str(tmp_path / "femnist"), max_users=2).users.ids == tuple(train)[:2]
+    data_fixtures.write_stackoverflow(tmp_path / "so")
+    so = build_task("stackoverflow", root=str(tmp_path / "so"))
+    assert so.users.ids == tuple(sorted(data_fixtures.STACKOVERFLOW_CLIENTS))
+    tokens, mask = so.users[0].fields
+    vocabulary = so.info["vocabulary"]
+    first = data_fixtures.STACKOVERFLOW_CLIENTS[so.users.ids[0]][0].split()
+    assert vocabulary.decode(tokens[0, : len(first) + 2]) == ["<bos>", *first, "<eos>"]
+    assert mask[0].sum() == len(first) + 1  # every word and <eos> is a target, padding is not
+
+
+def test_ptb_users_predict_every_training_token_once(tmp_path):
+    root = data_fixtures.write_ptb(tmp_path)
+    task = build_task("ptb", root=str(root), users=2, length=8)
+    targets = sum(float(task.users[i].fields[1][:, 1:].sum()) for i in range(2))
+    sentences = [line.split() + ["<eos>"] for line in data_fixtures.PTB_LINES]
+    assert targets == sum(len(s) for s in sentences) - 2  # each user's first token is not predicted
+    assert sorted(w for w in task.info["vocabulary"].tokens if w not in text.SPECIALS) == \
+        sorted({w for s in sentences for w in s} - set(text.SPECIALS))
+
+
+def test_e2e_scores_only_the_reference(tmp_path):
+    root = data_fixtures.write_e2e(tmp_path)
+    task = build_task("e2e", root=str(root), users=1)
+    tokens, mask = task.users[0].fields
+    vocabulary = task.info["vocabulary"]
+    for row, m in zip(tokens, mask):
+        words = vocabulary.decode(row[row != 0])
+        sep = words.index("<sep>")
+        assert words[0] == "<bos>" and words[-1] == "<eos>"
+        assert m.nonzero().flatten().tolist() == list(range(sep + 1, len(words)))
+    decoded = [vocabulary.decode(row[row != 0]) for row in tokens]
+    pairs = sorted((w[1 : w.index("<sep>")], w[w.index("<sep>") + 1 : -1]) for w in decoded)
+    assert pairs == sorted((text.words(mr), text.words(ref)) for mr, ref in data_fixtures.E2E_ROWS)
+
+
+@pytest.mark.parametrize("name", SPLIT_TASKS + NATURAL_TASKS)
+def test_a_wrong_folder_is_a_clear_error(name, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as error:
+        build_task(name, root=str(tmp_path / "empty"), **({"users": 3} if name in SPLIT_TASKS else {}))
+    assert str(tmp_path / "empty") in str(error.value) and "Put" in str(error.value) or "Make it" in str(error.value)

@@ -1,0 +1,135 @@
+"""The statistics of a one-run privacy audit (ALGORITHMS §7): an ε estimate and an ε lower bound from canaries.
+
+Canaries (Andrew et al. 2024, "One-shot empirical privacy estimation for federated learning"): m candidate
+directions c_i (random unit vectors); each is inserted, with probability ½ independently, as an extra user
+whose clipped update is always ζ·c_i; the others are held out. After one run every candidate gets a score
+(e.g. the cosine of the final model's change with c_i). Inserted canaries score higher the more the run leaks.
+
+* ε estimate (:func:`gaussian_fit_epsilon`): fit a Gaussian to each group of scores; μ = (mean of the inserted
+  − mean of the held-out) / (std of the held-out) is the separation of two unit-variance Gaussians, so the run
+  is estimated as μ-GDP and converted to (ε, δ) with :func:`gdp_epsilon`. An estimate, not a bound.
+* ε lower bound (:func:`one_run_lower_bound`): Steinke, Nasr & Jagielski 2023, "Privacy auditing with one (1)
+  training run", Theorem 3.3 (approximate DP): guess "inserted" for the k highest scores and "held out" for the
+  k lowest (r = 2k guesses, v correct). For an (ε, δ)-DP run,
+
+      P[v correct or more] ≤ f(v) + 2mδ · max_{1≤i≤v} (f(v − i) − f(v)) / i,
+      f(u) = P[Binomial(r, e^ε/(1 + e^ε)) ≥ u],
+
+  so every ε whose bound is below β = 1 − confidence is rejected; the lower bound is the largest rejected ε.
+  Several guess counts are tried with a Bonferroni correction (each at β / their number), so the bound keeps
+  its confidence whatever count wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["gaussian_fit_epsilon", "gdp_delta", "gdp_epsilon", "one_run_lower_bound", "p_value"]
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2))
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+    """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13): Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2)."""
+    if mu <= 0:
+        return 0.0
+    return _normal_cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * _normal_cdf(-epsilon / mu - mu / 2)
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """The smallest ε with δ(ε) ≤ ``delta`` for μ-GDP (bisection: δ(ε) decreases in ε); ∞ for μ = ∞."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    if math.isinf(mu):
+        return math.inf
+    if mu <= 0 or gdp_delta(mu, 0.0) <= delta:
+        return 0.0
+    low, high = 0.0, 1.0
+    while gdp_delta(mu, high) > delta:
+        high *= 2
+        if high > 1e6:
+            return math.inf
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if gdp_delta(mu, middle) > delta else (low, middle)
+    return high
+
+
+def gaussian_fit_epsilon(inserted: torch.Tensor, held_out: torch.Tensor, delta: float) -> tuple[float, float]:
+    """(ε estimate, μ) from the two groups of scores (see the module docstring)."""
+    if inserted.numel() < 2 or held_out.numel() < 2:
+        raise ValueError("the Gaussian fit needs at least two inserted and two held-out canaries")
+    spread = float(held_out.double().std())
+    gap = float(inserted.double().mean() - held_out.double().mean())
+    mu = math.inf if spread == 0 and gap > 0 else 0.0 if spread == 0 else max(gap / spread, 0.0)
+    return gdp_epsilon(mu, delta), mu
+
+
+def _binomial_tail(r: int, p: float) -> list[float]:
+    """f(u) = P[Binomial(r, p) ≥ u] for u = 0..r+1 (log-space terms, summed from the top)."""
+    if p >= 1:
+        return [1.0] * (r + 1) + [0.0]
+    log_p, log_q = math.log(p), math.log1p(-p)
+    pmf = [math.exp(math.lgamma(r + 1) - math.lgamma(k + 1) - math.lgamma(r - k + 1) + k * log_p + (r - k) * log_q)
+           for k in range(r + 1)]
+    tail = [0.0] * (r + 2)
+    for k in range(r, -1, -1):
+        tail[k] = tail[k + 1] + pmf[k]
+    return [min(1.0, t) for t in tail]
+
+
+def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
+    """Steinke et al. 2023, Thm 3.3: an upper bound on P[≥ v of r guesses correct] for an (ε, δ)-DP run with m
+    candidates each inserted with probability ½."""
+    if not 0 <= v <= r <= m:
+        raise ValueError(f"need 0 <= v <= r <= m, got v={v}, r={r}, m={m}")
+    tail = _binomial_tail(r, 1 / (1 + math.exp(-epsilon)))
+    slack = max(((tail[v - i] - tail[v]) / i for i in range(1, v + 1)), default=0.0)
+    return min(1.0, tail[v] + 2 * m * delta * slack)
+
+
+def _largest_rejected_epsilon(m: int, r: int, v: int, delta: float, beta: float) -> float:
+    """sup{ε : p_value(ε) < β} (0 when even ε = 0 is not rejected); p_value increases in ε."""
+    if p_value(m, r, v, 0.0, delta) >= beta:
+        return 0.0
+    low, high = 0.0, 1.0
+    while p_value(m, r, v, high, delta) < beta:
+        low, high = high, high * 2
+        if high > 1e3:
+            return low
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if p_value(m, r, v, middle, delta) < beta else (low, middle)
+    return low
+
+
+def one_run_lower_bound(scores: torch.Tensor, inserted: torch.Tensor, delta: float, *, confidence: float = 0.95,
+                        guess_fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2)) -> dict[str, float]:
+    """ε lower bound at ``confidence`` from the scores of m candidates and which were inserted (module docstring).
+
+    For each fraction f, k = ⌊f·m/2⌋ guesses "inserted" (highest scores) and k "held out" (lowest); each count
+    is tested at β/len(guess_fractions). Returns the best ``epsilon_lower_bound`` with its ``guesses`` r and
+    ``correct`` v."""
+    if scores.shape != inserted.shape or scores.ndim != 1:
+        raise ValueError("scores and inserted must be vectors of the same length (one entry per candidate)")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    m = scores.numel()
+    order = torch.argsort(scores.double(), descending=True)
+    ranked = inserted.bool()[order]
+    beta = (1 - confidence) / len(guess_fractions)
+    best = {"epsilon_lower_bound": 0.0, "guesses": 0, "correct": 0}
+    for fraction in guess_fractions:
+        k = int(fraction * m / 2)
+        if k < 1:
+            continue
+        correct = int(ranked[:k].sum()) + int((~ranked[m - k :]).sum())
+        bound = _largest_rejected_epsilon(m, 2 * k, correct, delta, beta)
+        if bound > best["epsilon_lower_bound"]:
+            best = {"epsilon_lower_bound": bound, "guesses": 2 * k, "correct": correct}
+    return best
