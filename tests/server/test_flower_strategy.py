@@ -227,7 +227,7 @@ def test_blt_noise_through_the_strategy_trains_like_the_engine_and_resumes(tmp_p
         [r["epsilon"] for r in engine.records]
     first = UserLevelDP(privacy, "dp-adambc", seed=5, checkpoint_dir=str(tmp_path / "ckpt"))
     first.start(honest_grid(), model_arrays(model), num_rounds=2)
-    resumed = UserLevelDP(privacy, "dp-adambc", checkpoint_dir=str(tmp_path / "ckpt"))  # fresh entropy seed
+    resumed = UserLevelDP(privacy, "dp-adambc", seed=5, checkpoint_dir=str(tmp_path / "ckpt"))  # the same noise source
     result = resumed.start(honest_grid(), model_arrays(model))
     assert [r["epsilon"] for r in result.records] == [r["epsilon"] for r in whole.records]
     final = resumed.layout.flatten(dict(result.arrays.to_torch_state_dict()))
