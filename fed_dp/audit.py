@@ -34,11 +34,19 @@ def _normal_cdf(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2))
 
 
+def _log_normal_cdf(x: float) -> float:
+    """log Φ(x), also far in the lower tail (the asymptotic series of Mills' ratio below x = −20)."""
+    if x > -20:
+        return math.log(_normal_cdf(x))
+    return -x * x / 2 - math.log(-x * math.sqrt(2 * math.pi)) + math.log1p(-1 / x**2 + 3 / x**4)
+
+
 def gdp_delta(mu: float, epsilon: float) -> float:
-    """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13): Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2)."""
+    """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13): Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2) (the second term
+    in log space, so large ε and μ do not overflow)."""
     if mu <= 0:
         return 0.0
-    return _normal_cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * _normal_cdf(-epsilon / mu - mu / 2)
+    return _normal_cdf(-epsilon / mu + mu / 2) - math.exp(epsilon + _log_normal_cdf(-epsilon / mu - mu / 2))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

@@ -19,8 +19,10 @@ assumes the scores of each group are roughly Gaussian, which these linear scores
 
 and each reports the accounted ε, the Gaussian-fit ε estimate and the one-run lower bound at the stated
 confidence (``fed_dp.audit``). ``privacy.noise-multiplier = 0`` is accepted here only: the run adds no noise and
-its accounted ε is infinite. ``noise_scale`` (Python only, for the audit's own tests) scales the noise actually
-added while the accounting keeps the configured σ: a deliberately broken mechanism, never for training.
+its accounted ε is infinite. ``--mechanism-only``: the real users send zero updates, so the canaries are measured
+against the mechanism alone (sampling, clipping, noise, server optimizer), without the drift of the training,
+which on a small model hides them. ``noise_scale`` (Python only, for the audit's own tests) scales the noise
+actually added while the accounting keeps the configured σ: a deliberately broken mechanism, never for training.
 """
 
 from __future__ import annotations
@@ -104,9 +106,12 @@ def _projector(directions: torch.Tensor) -> torch.Tensor:
 
 def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, local: LocalTraining, *,
               canaries: int = 1000, seed: int = 0, confidence: float = 0.95, noise_scale: float = 1.0,
-              no_noise: bool = False) -> AuditResult:
+              no_noise: bool = False, mechanism_only: bool = False) -> AuditResult:
     """Train ``task`` once with ``canaries`` candidates and audit it (module docstring). ``no_noise``: add no
-    noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs one."""
+    noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs one.
+    ``mechanism_only``: the real users are sampled and counted but send zero updates, so the scores see the
+    mechanism (sampling, clipping, noise, server optimizer) without the training's own drift, which on a small
+    model hides the canaries; the accounting is the same."""
     if not (isinstance(canaries, int) and canaries >= 4):
         raise ValueError(f"canaries must be an integer >= 4, got {canaries!r}")
     if no_noise:
@@ -133,9 +138,14 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
         def exchange(plan: RoundPlan) -> RoundReplies:
             cohort = plan.cohort
             users, canary_rows = cohort[cohort < real], inserted_ids[cohort[cohort >= real] - real]
-            result, _, _ = trainer.contribution(round_index=plan.round, users=users.tolist(), params=plan.params,
-                                                clip_norm=plan.clip_norm, scale=plan.scale,
-                                                send_squares=plan.send_squares, seed=client_seed)
+            if mechanism_only:  # the real users reply zero updates (never clipped)
+                zero = torch.zeros_like(plan.params)
+                result = Contribution(zero, len(users), zero.clone() if plan.send_squares else None,
+                                      unclipped=len(users), scaled=plan.scale is not None)
+            else:
+                result, _, _ = trainer.contribution(round_index=plan.round, users=users.tolist(), params=plan.params,
+                                                    clip_norm=plan.clip_norm, scale=plan.scale,
+                                                    send_squares=plan.send_squares, seed=client_seed)
             canary_updates = plan.clip_norm * directions[canary_rows]  # each already of norm ζ_t: clip is a no-op
             total = result.total.cpu() + canary_updates.sum(dim=0)
             squares = None
@@ -171,7 +181,7 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
 
 
 def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, optimizer: str | None = None,
-                 task: Task | None = None) -> AuditResult:
+                 task: Task | None = None, mechanism_only: bool = False) -> AuditResult:
     """Audit a ``fed-dp simulate`` config (tables as read from TOML, ``--set`` applied): its task, privacy,
     local training and seed; its optimizer (``optimizer``, else the config's, else the first of
     ``run.optimizers``). ``privacy.noise-multiplier = 0`` audits the run without noise."""
@@ -193,7 +203,7 @@ def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, op
     task = task if task is not None else build_task(run.task)
     seed = run.run.seed if run.run.seed is not None else 0
     return run_audit(task, run.privacy, run.optimizer.build(), run.local, canaries=canaries, seed=seed,
-                     confidence=confidence, no_noise=no_noise)
+                     confidence=confidence, no_noise=no_noise, mechanism_only=mechanism_only)
 
 
 def format_audit(result: AuditResult) -> str:

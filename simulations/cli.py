@@ -70,7 +70,7 @@ def _run_audit(args: argparse.Namespace) -> None:
     from fed_dp.simulations.audit import audit_config, format_audit, plot_audit
 
     result = audit_config(_simulation_config(args), canaries=args.canaries, confidence=args.confidence,
-                          optimizer=args.optimizer)
+                          optimizer=args.optimizer, mechanism_only=args.mechanism_only)
     rows = [row for row in result.rows() if args.threat_model in ("both", row["threat_model"])]
     result.results = {row["threat_model"]: result.results[row["threat_model"]] for row in rows}
     result.scores = {name: result.scores[name] for name in result.results}
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--optimizer", metavar="NAME", help="the optimizer to audit (default: the config's first)")
     audit.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
     audit.add_argument("--threat-model", choices=("final-model", "all-iterates", "both"), default="both")
+    audit.add_argument("--mechanism-only", action="store_true",
+                       help="real users send zero updates: measure the mechanism without the training's drift")
     audit.add_argument("--json", action="store_true", help="one JSON object per threat model, one per line")
     audit.set_defaults(run=_run_audit)
     benchmark = commands.add_parser(

@@ -23,6 +23,14 @@ def test_gdp_epsilon_equals_the_gaussian_mechanisms_pld(mu):
     assert gdp_epsilon(0.0, 1e-5) == 0.0 and gdp_epsilon(math.inf, 1e-5) == math.inf
 
 
+@pytest.mark.parametrize("mu, epsilon", [(30.0, 400.0), (60.0, 1500.0), (5.0, 20.0)])
+def test_gdp_delta_does_not_overflow_for_large_mu_and_epsilon(mu, epsilon):
+    """Far in the tail e^ε overflows a float; δ(ε) = Φ(a) − exp(ε + log Φ(b)) computed by scipy's logcdf."""
+    a, b = -epsilon / mu + mu / 2, -epsilon / mu - mu / 2
+    expected = stats.norm.cdf(a) - math.exp(epsilon + stats.norm.logcdf(b))
+    assert gdp_delta(mu, epsilon) == pytest.approx(expected, rel=1e-6, abs=1e-300)
+
+
 def test_p_value_is_the_binomial_tail_plus_the_delta_term():
     """Pure DP: P[Binomial(r, e^ε/(1+e^ε)) ≥ v] (scipy); with δ: + 2mδ·max_i (P[v−i ≤ Bin < v])/i."""
     m, r, v, eps, delta = 1000, 100, 80, 1.0, 1e-4

@@ -46,6 +46,16 @@ def test_with_the_real_mechanism_the_lower_bound_stays_below_the_accounted_epsil
         assert values["epsilon_lower_bound"] < result.epsilon_accounted
 
 
+def test_mechanism_only_sees_the_canaries_through_the_noise_alone():
+    """Real users send zero updates: the accounting is the run's, and without noise every canary is found."""
+    result = _audit(0, mechanism_only=True)
+    assert result.epsilon_accounted == pytest.approx(1.5, abs=1e-3)
+    for values in result.results.values():
+        assert values["epsilon_lower_bound"] < result.epsilon_accounted
+    noiseless = _audit(0, mechanism_only=True, no_noise=True)
+    assert noiseless.results["final-model"]["epsilon_lower_bound"] > 3
+
+
 def test_the_command_prints_one_json_object_per_threat_model(tmp_path, capsys):
     sets = ["task.dim=100", "task.users=40", "privacy.expected-cohort=20", "privacy.rounds=2",
             'privacy.accountant="rdp"', "privacy.target-epsilon=4.0"]
