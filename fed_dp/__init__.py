@@ -7,7 +7,7 @@ The public API, importable from here (loaded on first use, so ``import fed_dp`` 
     Simulate in this process       train -> TrainResult
     Run on Flower (server side)    UserLevelDP (a flwr Strategy), model_arrays, centralized_evaluation
     Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users
-    Account                        epsilon, calibrate_noise_multiplier, resolve_privacy
+    Account                        epsilon, epsilon_schedule, calibrate_noise_multiplier, resolve_privacy
 
 The package is layered; imports point down only (tests/test_architecture.py checks it):
 
@@ -22,10 +22,11 @@ Core modules (ALGORITHMS.md):
     flat               ParamLayout — a model update as one float32 vector and back
     clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
     factorization      BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
-    noise              privatizers: streaming independent / BandMF Gaussian noise
+    blt                BLT strategies C (Toeplitz, ℓ buffers): sensitivity under min-separation, optimization
+    noise              privatizers: streaming independent / BandMF / BLT Gaussian noise
     aggregation        the DP query: noisy sum over the fixed denominator B
     sampling           user samplers, each with its dp_accounting event
-    accounting         ε with dp_accounting, calibration of σ, per-round ledger with budget
+    accounting         ε with dp_accounting, the per-round ε schedule in O(T), calibration of σ, ledger with budget
     adaptive_clipping  quantile-tracking clip norm with its noise split
     optimizers         server optimizers as pure transforms: DP-FedAvg/SGD, DP-Adam(BC/W/W-BC), IME, STP, AdaGrad
     moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation
@@ -58,6 +59,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "make_optimizer": ("fed_dp.optimizers", "make_optimizer"),
     "OPTIMIZERS": ("fed_dp.optimizers", "OPTIMIZERS"),
     "epsilon": ("fed_dp.accounting", "epsilon"),
+    "epsilon_schedule": ("fed_dp.accounting", "epsilon_schedule"),
     "calibrate_noise_multiplier": ("fed_dp.accounting", "calibrate_noise_multiplier"),
     "resolve_privacy": ("fed_dp.accounting", "resolve_privacy"),
     "train": ("fed_dp.simulations.engine", "train"),

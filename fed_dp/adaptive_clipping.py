@@ -14,7 +14,7 @@ is noised with the larger multiplier
 (Gaussian compositions add in inverse variance: σ_Δ⁻² + (2σ_b)⁻² = σ⁻²). The accounting is unchanged.
 Under replace-one adjacency (sampling without replacement) both sensitivities double, so the same split
 holds relative to that adjacency.
-Independent noise only: BandMF needs the same noise scale every round, so it is rejected.
+Independent noise only: BandMF and BLT need the same noise scale every round, so they are rejected.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def update_noise_multiplier(noise_multiplier: float, bit_noise_std: float) -> fl
 
 
 def check_compatible(privacy: PrivacyConfig, adaptive: AdaptiveClipConfig) -> float:
-    """Validate the pair and return σ_Δ. BandMF is refused (its noise scale must not change)."""
+    """Validate the pair and return σ_Δ. BandMF and BLT are refused (their noise scale must not change)."""
     if privacy.noise != "independent":
         raise ValueError(
-            "adaptive clipping changes the noise scale every round, which breaks BandMF's correlated "
-            "noise; use noise 'independent' or a fixed clip_norm"
+            f"adaptive clipping changes the noise scale every round, which breaks BandMF's correlated "
+            f"noise (and BLT's; noise is {privacy.noise!r}); use noise 'independent' or a fixed clip_norm"
         )
     return update_noise_multiplier(privacy.noise_multiplier, adaptive.bit_noise_std)
 

@@ -1,6 +1,7 @@
 """The ``fed-dp`` command: user-level ε of a planned run, and σ for a target ε.
 
     fed-dp epsilon   --num-users N --expected-cohort B --rounds T --noise-multiplier S --delta D [...]
+    fed-dp epsilon   ... --per-round [--json]      # ε after every round 1 … T (the ledger's schedule)
     fed-dp calibrate --epsilon E --num-users N --expected-cohort B --rounds T --delta D [...]
 
 Both build one PrivacyConfig, the same object that drives the sampler and the noise of a training run,
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fed_dp.accounting import calibrate_noise_multiplier, epsilon
-from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, PrivacyConfig
+from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
+from fed_dp.blt import config_sensitivity_squared
+from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
 from fed_dp.sampling import dp_event, guarantee, neighboring_relation
 
 _SAMPLER_HELP = (
@@ -43,13 +46,22 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
     group.add_argument("--sampler", choices=SAMPLERS, default="poisson", help=_SAMPLER_HELP)
     group.add_argument(
         "--noise", choices=NOISES, default="independent",
-        help="independent Gaussian (default) or bandmf (banded matrix factorization; needs "
-        "--sampler cyclic-poisson or min-sep)",
+        help="independent Gaussian (default), bandmf (banded matrix factorization) or blt (buffered linear "
+        "Toeplitz; needs --buffers); the correlated ones need --sampler cyclic-poisson or min-sep",
     )
     group.add_argument(
         "--bands", type=int, default=1, metavar="b",
         help="bands of the BandMF strategy = groups of cyclic-poisson = required min-separation (default 1)",
     )
+    group.add_argument(
+        "--buffers", type=int, default=None, metavar="l",
+        help="buffers of the BLT strategy (--noise blt; its sensitivity, hence epsilon, depends on them)",
+    )
+    group.add_argument(
+        "--workload", choices=WORKLOADS, default="prefix-sum",
+        help="workload the BLT is optimized for (prefix-sum, or momentum with --momentum); BLT only changes epsilon",
+    )
+    group.add_argument("--momentum", type=float, default=0.0, metavar="mu", help="momentum of the momentum workload")
     group.add_argument(
         "--max-participations", type=int, default=None, metavar="k",
         help="min-sep only: participations per user to account for (default: ceil(T / (N // B)))",
@@ -68,9 +80,17 @@ def _config(args: argparse.Namespace, noise_multiplier: float) -> PrivacyConfig:
         sampler=args.sampler,
         noise=args.noise,
         bands=args.bands,
+        buffers=args.buffers,
         max_participations=args.max_participations,
         accountant=args.accountant,
+        workload=args.workload,
+        momentum=args.momentum,
     )
+
+
+def _blt_sensitivity(config: PrivacyConfig) -> float | None:
+    """sens_T of the config's BLT (its event is Gaussian(σ/sens_T)); None for the other noises."""
+    return math.sqrt(config_sensitivity_squared(config)[-1]) if config.noise == "blt" else None
 
 
 def _summary(config: PrivacyConfig) -> dict[str, Any]:
@@ -83,10 +103,12 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
         "expected_cohort": config.expected_cohort,
         "rounds": config.rounds,
         "bands": config.bands,
+        "buffers": config.buffers,
         "sampling_rate": config.sampling_rate,
         "max_participations": config.participations(),
         "neighboring_relation": neighboring_relation(config).name.lower(),
         "guarantee": guarantee(config),
+        "blt_sensitivity": _blt_sensitivity(config),
         "dp_event": repr(dp_event(config)),
     }
 
@@ -95,14 +117,39 @@ def _print_text(config: PrivacyConfig, headline: str) -> None:
     print(headline)
     print(f"  sampler     {config.sampler}, rate {config.sampling_rate:.6g}, "
           f"adjacency: {guarantee(config)}")
-    print(f"  noise       {config.noise} (bands {config.bands}), sigma = {config.noise_multiplier:.6g}")
+    shape = f"buffers {config.buffers}" if config.noise == "blt" else f"bands {config.bands}"
+    print(f"  noise       {config.noise} ({shape}), sigma = {config.noise_multiplier:.6g}")
     print(f"  population  N = {config.num_users}, expected cohort B = {config.expected_cohort}, "
           f"rounds T = {config.rounds}, participations per user <= {config.participations()}")
+    if config.noise == "blt":
+        print(f"  strategy    BLT optimized for min-separation {config.min_separation}: sensitivity of "
+              f"{math.ceil(config.rounds / config.min_separation)} participations {_blt_sensitivity(config):.4f} "
+              f"(BandMF's would be sqrt(k) = {math.sqrt(math.ceil(config.rounds / config.min_separation)):.4f})")
     print(f"  accountant  {config.accountant} (dp_accounting)")
+
+
+def _schedule_note(exact_rounds: Sequence[int], rounds: int) -> str:
+    if len(exact_rounds) == rounds:
+        return "exact at every round"
+    return (f"exact at {len(exact_rounds)} of {rounds} rounds; in between, the next exact round's value "
+            "(an upper bound)")
 
 
 def _run_epsilon(args: argparse.Namespace) -> None:
     config = _config(args, args.noise_multiplier)
+    if args.per_round:
+        schedule = epsilon_schedule(config)
+        if args.json:
+            print(json.dumps({"epsilon": list(schedule.epsilons), "exact_rounds": list(schedule.exact_rounds),
+                              "delta": config.delta, **_summary(config)}))
+            return
+        _print_text(config, f"user-level epsilon = {schedule.epsilons[-1]:.4f} at delta = {config.delta:g} "
+                            f"after {config.rounds} rounds")
+        print(f"  per round   {_schedule_note(schedule.exact_rounds, config.rounds)}")
+        exact = set(schedule.exact_rounds)
+        for t, eps in enumerate(schedule.epsilons, start=1):
+            print(f"{t:>8}  {eps:.4f}{'' if t in exact else '  (upper bound)'}")
+        return
     eps = epsilon(config)
     if args.json:
         print(json.dumps({"epsilon": eps, "delta": config.delta, **_summary(config)}))
@@ -139,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the user-level epsilon of a planned run (dp_accounting).",
     )
     _add_mechanism_arguments(eps, with_noise_multiplier=True)
+    eps.add_argument("--per-round", action="store_true",
+                     help="epsilon after every round 1..T (with --json: a list under \"epsilon\")")
     eps.set_defaults(run=_run_epsilon)
     cal = commands.add_parser(
         "calibrate", help="noise multiplier for a target epsilon",

@@ -6,7 +6,8 @@ the ε that is reported is the ε of what ran (ALGORITHMS.md §4): ``make_sample
 combinations that no accounting covers are rejected here, before anything runs.
 
 Notation (README, ALGORITHMS.md): N = ``num_users``, B = ``expected_cohort`` (the fixed denominator),
-T = ``rounds``, σ = ``noise_multiplier``, ζ = ``clip_norm``, b = ``bands``, k = ``max_participations``.
+T = ``rounds``, σ = ``noise_multiplier``, ζ = ``clip_norm``, b = ``bands``, k = ``max_participations``,
+ℓ = ``buffers`` (of a BLT).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from fed_dp.validation import is_real as _is_real
 from fed_dp.validation import require as _require
 
 SAMPLERS = ("poisson", "without-replacement", "all", "cyclic-poisson", "min-sep")
-NOISES = ("independent", "bandmf")
+NOISES = ("independent", "bandmf", "blt")
+#: Noises whose C is not the identity: they need a sampler with a minimum separation.
+CORRELATED_NOISES = ("bandmf", "blt")
+#: Most buffers a BLT may have (its parameters live in polynomials of this degree).
+MAX_BUFFERS = 16
 ACCOUNTANTS = ("pld", "rdp")
 WORKLOADS = ("prefix-sum", "momentum")
 
@@ -47,14 +52,18 @@ class PrivacyConfig:
             (every user every round; B must equal N), ``cyclic-poisson`` (users hashed into b groups,
             round t samples group t mod b at rate q_b = B·b/N), ``min-sep`` (deterministic: users split
             into m = N // B fixed groups visited in turn, participations at least m rounds apart).
-        noise: ``independent`` Gaussian (C = I) or ``bandmf`` (banded matrix factorization).
+        noise: ``independent`` Gaussian (C = I), ``bandmf`` (banded matrix factorization) or ``blt``
+            (buffered linear Toeplitz, ``fed_dp.blt``). The correlated ones need a sampler with a minimum
+            separation (``cyclic-poisson`` or ``min-sep``).
         bands: b, bands of C for BandMF; also the number of groups of ``cyclic-poisson``. Must be 1 for
             the samplers without separation.
+        buffers: ℓ, buffers of a BLT (1 … 16); required for noise ``blt``, unset otherwise.
         max_participations: k for ``min-sep``; defaults to ⌈T/m⌉, the most a user can participate. A
-            value below that is refused (it would under-count); a larger one is accepted (conservative).
+            value below that is refused (it would under-count); a larger one is accepted (conservative;
+            with BLT it changes nothing: its sensitivity counts every participation that fits in t rounds).
         accountant: ``pld`` (default, tighter) or ``rdp``. ``without-replacement`` needs ``rdp``.
         epsilon_budget: optional ε cap; a round that would exceed it is refused.
-        workload: BandMF strategy workload, ``prefix-sum`` or ``momentum``.
+        workload: workload of the correlated-noise strategy (BandMF, BLT), ``prefix-sum`` or ``momentum``.
         momentum: μ of the momentum workload, in [0, 1).
     """
 
@@ -68,6 +77,7 @@ class PrivacyConfig:
     sampler: str = "poisson"
     noise: str = "independent"
     bands: int = 1
+    buffers: int | None = None
     max_participations: int | None = None
     accountant: str = "pld"
     epsilon_budget: float | None = None
@@ -139,13 +149,26 @@ class PrivacyConfig:
 
     def _validate_sampler_combination(self) -> None:
         sampler, noise = self.sampler, self.noise
-        if noise == "bandmf":
+        if noise in CORRELATED_NOISES:
             _require(
                 sampler in SEPARATED_SAMPLERS,
-                f"noise 'bandmf' needs a sampler with minimum separation between a user's "
+                f"noise {noise!r} needs a sampler with minimum separation between a user's "
                 f"participations (cyclic-poisson or min-sep); sampler {sampler!r} has none, so "
-                "BandMF's correlated noise would have no valid accounting (ALGORITHMS §2, §4)",
+                f"{'BandMF' if noise == 'bandmf' else 'BLT'}'s correlated noise would have no valid accounting "
+                "(ALGORITHMS §2, §4, §6)",
             )
+        if noise == "blt":
+            _require(
+                _is_int(self.buffers) and 1 <= self.buffers <= MAX_BUFFERS,
+                f"noise 'blt' needs buffers (ℓ, the BLT's number of buffers of d floats each) as an integer in "
+                f"1 … {MAX_BUFFERS}, got {self.buffers!r}; 4 is a good start",
+            )
+        else:
+            _require(
+                self.buffers is None,
+                f"buffers = {self.buffers!r} only applies to noise 'blt' (noise is {noise!r}); leave it unset",
+            )
+        if noise == "bandmf":
             _require(
                 self.bands <= self.rounds,
                 f"bands (b = {self.bands}) must be <= rounds (T = {self.rounds}) for BandMF",
@@ -156,8 +179,8 @@ class PrivacyConfig:
                 f"bands = {self.bands} has no meaning for sampler {sampler!r} with independent noise; "
                 "set bands = 1, or use noise 'bandmf' with sampler cyclic-poisson or min-sep",
             )
-        if self.noise != "bandmf" and self.workload != "prefix-sum":
-            raise ValueError("workload only applies to noise 'bandmf'; leave it at 'prefix-sum'")
+        if self.noise not in CORRELATED_NOISES and self.workload != "prefix-sum":
+            raise ValueError("workload only applies to noise 'bandmf' or 'blt' (correlated noise); leave it at 'prefix-sum'")
         if self.workload == "prefix-sum" and self.momentum != 0:
             raise ValueError("momentum > 0 requires workload 'momentum'")
         if sampler != "min-sep":
@@ -234,6 +257,11 @@ class PrivacyConfig:
         if self.sampler in ("all", "min-sep"):
             return 1.0
         return self.expected_cohort / self.num_users
+
+    @property
+    def workload_momentum(self) -> float:
+        """μ of the strategy's workload: ``momentum`` for the momentum workload, 0 for prefix sums."""
+        return self.momentum if self.workload == "momentum" else 0.0
 
     @property
     def min_separation(self) -> int:

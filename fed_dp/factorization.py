@@ -43,6 +43,7 @@ __all__ = [
     "prefix_sum_workload",
     "momentum_workload",
     "strategy_loss",
+    "banded_error",
     "toeplitz_inverse_coefs",
     "toeplitz_loss",
     "sqrt_prefix_sum_coefs",
@@ -220,6 +221,11 @@ class BandedStrategy:
 
     @functools.cached_property
     def _inverse_row_sq_norms(self) -> torch.Tensor:
+        scaled = self._scaled_toeplitz()
+        if scaled is not None:
+            coefs, scales = scaled
+            h = _toeplitz_inverse_forward(coefs.numpy(), self.rounds)
+            return torch.from_numpy(np.cumsum(h**2)) / scales.square()
         rounds, bands = self.band.shape
         lags = bands - 1
         # Ring buffer of the last b − 1 rows of C⁻¹: row y_s lives in slot s mod (b − 1).
@@ -239,10 +245,27 @@ class BandedStrategy:
             sq_norms[t] = y @ y
         return sq_norms
 
+    def _scaled_toeplitz(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(c̃, s) with C = C̃·diag(s), C̃ banded Toeplitz with coefficients c̃, if C has that form (to 1e-12
+        relative), else None. ``toeplitz_strategy`` builds exactly this form (s = 1/D): c̃_r = C[r, 0] is column
+        0 and s_j = C[j, j]/c̃_0, so C[t, t − r] must equal c̃_r·s_{t−r}."""
+        rounds, bands = self.band.shape
+        coefs = torch.stack([self.band[r, r] for r in range(bands)])
+        scales = self.band[:, 0] / coefs[0]
+        expected = torch.zeros_like(self.band)
+        for r in range(bands):
+            expected[r:, r] = coefs[r] * scales[: rounds - r]
+        if torch.allclose(self.band, expected, rtol=1e-12, atol=0.0):
+            return coefs, scales
+        return None
+
     def inverse_row_sq_norms(self) -> torch.Tensor:
         """(T,) float64: ‖row t of C⁻¹‖², the noise-variance multiplier of round t.
 
-        Rows of Y = C⁻¹ follow the banded forward recurrence applied to the identity (ALGORITHMS.md §2),
+        For a column-normalized banded Toeplitz C = C̃·diag(s) (what ``toeplitz_strategy`` and
+        ``optimize_toeplitz`` build), C⁻¹ = diag(1/s)·C̃⁻¹ with C̃⁻¹ Toeplitz of coefficients h
+        (``toeplitz_inverse_coefs``), so ‖row t‖² = Σ_{n≤t} h_n² / s_t²: O(T·b). Any other banded C: rows of
+        Y = C⁻¹ follow the banded forward recurrence applied to the identity (ALGORITHMS.md §2),
         y_t = (e_t − Σ_{r=1}^{b−1} C[t, t−r]·y_{t−r}) / C[t, t], vectorized over the T columns: O(T²·b) time,
         O(T·b) memory, no dense inverse. Cached after the first call; a fresh copy is returned.
         """
@@ -375,6 +398,22 @@ def strategy_loss(C: torch.Tensor, A: torch.Tensor) -> float:
     sens = torch.linalg.vector_norm(C, dim=0).max()
     A_C_inv = torch.linalg.solve_triangular(C, A, upper=False, left=False)
     return float(sens**2 * A_C_inv.square().sum() / C.shape[0])
+
+
+def banded_error(strategy: BandedStrategy, *, separation: int, momentum: float = 0.0) -> float:
+    """sens² · (1/T)·‖A C⁻¹‖_F² with every participation min-separation m allows: sens² = ⌈T/m⌉.
+
+    Columns of a b-banded, column-normalized C that are m ≥ b apart have disjoint supports and unit norms
+    (ALGORITHMS §2), so ⌈T/m⌉ participations have sens² = ⌈T/m⌉; a separation below b is refused. The same
+    figure as ``fed_dp.blt.blt_error`` for a BLT, so the two compare at equal ε. Dense (``strategy_loss``):
+    for T up to a few thousand.
+    """
+    separation = _check_int("separation", separation, 1)
+    if separation < strategy.bands:
+        raise ValueError(f"separation (the min-separation m = {separation}) must be >= bands (b = {strategy.bands}): "
+                         "BandMF's sensitivity √⌈T/m⌉ needs participations at least b rounds apart")
+    workload = momentum_workload(strategy.rounds, _check_momentum(momentum))
+    return math.ceil(strategy.rounds / separation) * strategy_loss(strategy.dense(), workload)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -518,6 +557,32 @@ def _cache_path(cache_dir: str | os.PathLike | None, rounds: int, bands: int, mo
     return folder / f"toeplitz-T{rounds}-b{bands}-{_workload_key(momentum)}.json"
 
 
+def lbfgs_minimize(objective: Any, start: torch.Tensor, *, max_iter: int, tolerance_grad: float,
+                   tolerance_change: float) -> torch.Tensor:
+    """The point L-BFGS (strong Wolfe line search, history 20, float64) reaches from ``start`` on the
+    differentiable scalar ``objective``; used for the BandMF and the BLT strategies alike."""
+    free = start.clone().requires_grad_(True)
+    optimizer = torch.optim.LBFGS(
+        [free],
+        lr=1.0,
+        max_iter=max_iter,
+        max_eval=2 * max_iter,
+        tolerance_grad=tolerance_grad,
+        tolerance_change=tolerance_change,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = objective(free)
+        value.backward()
+        return value
+
+    optimizer.step(closure)
+    return free.detach()
+
+
 def _minimize_toeplitz_loss(rounds: int, bands: int, momentum: float, max_iter: int) -> tuple[torch.Tensor, float]:
     """L-BFGS (strong Wolfe) on toeplitz_loss from the sqrt-prefix-sum coefficients.
 
@@ -525,33 +590,15 @@ def _minimize_toeplitz_loss(rounds: int, bands: int, momentum: float, max_iter: 
     removes the flat direction and keeps the diagonal positive. Returns (c / ‖c‖, loss).
     """
     initial = sqrt_prefix_sum_coefs(bands)
-    free = initial[1:].clone().requires_grad_(True)
     one = torch.ones(1, dtype=_DTYPE)
 
     def loss_of(tail: torch.Tensor) -> torch.Tensor:
         return toeplitz_loss(torch.cat([one, tail]), rounds, momentum)
 
-    optimizer = torch.optim.LBFGS(
-        [free],
-        lr=1.0,
-        max_iter=max_iter,
-        max_eval=2 * max_iter,
-        tolerance_grad=1e-10,
-        tolerance_change=1e-13,
-        history_size=20,
-        line_search_fn="strong_wolfe",
-    )
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = loss_of(free)
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
+    free = lbfgs_minimize(loss_of, initial[1:], max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-13)
     with torch.no_grad():
-        best = torch.cat([one, free.detach()])
-        best_loss = float(loss_of(free.detach()))
+        best = torch.cat([one, free])
+        best_loss = float(loss_of(free))
         initial_loss = float(toeplitz_loss(initial, rounds, momentum))
     if not math.isfinite(best_loss) or best_loss > initial_loss:
         best, best_loss = initial, initial_loss

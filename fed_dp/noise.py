@@ -1,20 +1,28 @@
-"""Privatizers: streaming Gaussian noise for the sum of clipped updates (ALGORITHMS §2).
+"""Privatizers: streaming Gaussian noise for the sum of clipped updates (ALGORITHMS §2, §6).
 
-Independent noise is the identity-strategy case of BandMF. For a b-banded, lower-triangular,
-column-normalized C (seed 000 §2.1, §4.5; Choquette-Choo et al. 2023), the noise of round t is
+Independent noise is the identity-strategy case. For a strategy C (lower-triangular, largest column norm 1),
+the noise of round t is
 
     w_t = σ·ζ·sens·[C⁻¹ Z]_t ,   Z rows i.i.d. N(0, I_d),   sens = 1 (one participation)
 
-computed online by forward substitution, keeping only the last b−1 outputs:
+computed online, never as a T×T or T×d matrix:
 
-    y_t = ( z_t − Σ_{r=1}^{b−1} C[t, t−r] · y_{t−r} ) / C[t, t]
+* **BandMF** (b-banded, column-normalized C; seed 000 §2.1, §4.5; Choquette-Choo et al. 2023): forward
+  substitution over the last b−1 outputs, y_t = ( z_t − Σ_{r=1}^{b−1} C[t, t−r] · y_{t−r} ) / C[t, t]. One step is
+  one in-place ``addmv`` of the (b−1)-vector of coefficients with the preallocated (b−1)×d ring buffer into z_t
+  (a matrix-vector product, no loop over bands or parameters) and one copy into the ring: memory (b−1)·d for
+  the ring plus the d-vector z_t = y_t that is returned, b·d floats in all. The step reads the whole ring
+  once, so its time is bounded below by the memory bandwidth (``fed-dp benchmark --only noise`` prints that
+  floor).
+* **BLT** (``fed_dp.blt``): C = C̃/n_0 with C̃ Toeplitz, c_0 = 1, c_t = Σ_j θ_j ω_j^{t−1}; y = n_0·C̃⁻¹z from ℓ
+  buffers S_j: ỹ_t = z_t − Σ_j θ_j S_j(t), then S_j(t+1) = ω_j S_j(t) + ỹ_t. One step is one in-place ``addmv``
+  (ℓ coefficients × the ℓ×d buffers) and one in-place ``addcmul`` updating all buffers: memory ℓ·d plus the
+  returned d-vector, (ℓ + 1)·d floats.
 
-Each step is one batched tensor operation over the (b−1)×d ring buffer (a matrix-vector product),
-never a loop over bands or parameters. The per-coordinate noise variance of round t on the sum is
-(σζ)²·‖row t of C⁻¹‖², which DP-AdamBC needs (ALGORITHMS §3.3).
-
-Multiple participations are accounted in the dp_accounting event (σ/√k, or amplification); the noise is
-always calibrated to a single participation, never scaled by √k here.
+The per-coordinate noise variance of round t on the sum is (σζ)²·‖row t of C⁻¹‖², which DP-AdamBC needs
+(ALGORITHMS §3.3). Multiple participations are accounted in the dp_accounting event (σ/√k for BandMF,
+σ/sens_t for BLT, or amplification); the noise is always calibrated to a single participation, never
+scaled by √k or sens_t here.
 """
 
 from __future__ import annotations
@@ -24,41 +32,89 @@ from typing import Any
 
 import torch
 
+from fed_dp.blt import BLTStrategy, config_strategy
 from fed_dp.config import PrivacyConfig
 from fed_dp.factorization import BandedStrategy, optimize_toeplitz
 from fed_dp.randomness import make_noise_source
 
+Strategy = BandedStrategy | BLTStrategy
 
-def strategy_fingerprint(strategy: BandedStrategy | None) -> str:
-    """SHA-256 of the strategy's band coefficients ("identity" for independent noise)."""
+#: Layout of the saved stream state; version 1 (no key) held unit-scale BandMF rings too, so it loads as is.
+_STATE_VERSION = 2
+
+
+def strategy_fingerprint(strategy: Strategy | None) -> str:
+    """SHA-256 of the strategy's coefficients ("identity" for independent noise)."""
     if strategy is None:
         return "identity"
+    if isinstance(strategy, BLTStrategy):
+        data = repr((strategy.rounds, [v.hex() for v in strategy.theta], [v.hex() for v in strategy.omega])).encode()
+        return "blt:" + hashlib.sha256(data).hexdigest()
     data = strategy.band.detach().cpu().contiguous().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()
+
+
+class _BandedStream:
+    """BandMF's forward substitution over a (b−1)×d ring buffer: slot s holds y_{t'} for t' ≡ s mod (b − 1)."""
+
+    def __init__(self, strategy: BandedStrategy, dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.band = strategy.band.to(device, dtype)  # step t reads row t: C[t, t − r] = band[t, r]
+        self.lags = strategy.bands - 1
+        self.buffer = torch.zeros(self.lags, dim, device=device, dtype=dtype)
+        self._lag_steps = torch.arange(1, strategy.bands, device=device)
+        self._weights = torch.zeros(self.lags, device=device, dtype=dtype)
+        self.output_scale = 1.0
+
+    def step(self, t: int, z: torch.Tensor) -> torch.Tensor:
+        """z ← y_t = (z_t − Σ_r C[t, t−r]·y_{t−r}) / C[t, t], in place; y_t enters the ring."""
+        row = self.band[t]
+        if self.lags == 0:
+            return z.div_(row[0])
+        # band[t, r] is 0 where t − r < 0, so the zero-initialized ring needs no masking.
+        self._weights[(t - self._lag_steps) % self.lags] = row[1:]
+        reciprocal = 1.0 / row[0]
+        z.addmv_(self.buffer.t(), self._weights, beta=reciprocal, alpha=-reciprocal)
+        self.buffer[t % self.lags].copy_(z)
+        return z
+
+
+class _BLTStream:
+    """A BLT's ℓ buffers S_j (ℓ×d): ỹ_t = z_t − Σ_j θ_j S_j, then S_j ← ω_j S_j + ỹ_t (module docstring)."""
+
+    def __init__(self, strategy: BLTStrategy, dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.theta = torch.tensor(strategy.theta, device=device, dtype=dtype)
+        self.omega = torch.tensor(strategy.omega, device=device, dtype=dtype)[:, None]
+        self.buffer = torch.zeros(strategy.buffers, dim, device=device, dtype=dtype)
+        self.output_scale = strategy.scale  # C⁻¹ = n_0·C̃⁻¹
+
+    def step(self, t: int, z: torch.Tensor) -> torch.Tensor:
+        z.addmv_(self.buffer.t(), self.theta, alpha=-1.0)
+        torch.addcmul(z.expand_as(self.buffer), self.omega, self.buffer, out=self.buffer)
+        return z
 
 
 class Privatizer:
     """Adds σζ·[C⁻¹Z]_t to the t-th sum of clipped user updates; a stream with checkpointable state.
 
     Args:
-        strategy: the BandMF strategy C, or ``None`` for independent Gaussian noise (C = I, no horizon).
+        strategy: the BandMF or BLT strategy C, or ``None`` for independent Gaussian noise (C = I, no horizon).
         noise_std: σ·ζ, the noise std on the sum for one participation (times the row norm of C⁻¹).
         dim: d, the length of the flat update vector.
         seed: generator seed of the ``"torch"`` source; ``None`` draws one from OS entropy
             (``seeded_explicitly`` tells which).
-        device, dtype: where and in which precision the noise and the buffer live.
+        device, dtype: where and in which precision the noise and the buffers live.
         source: where Z comes from (``fed_dp.randomness``): ``"torch"`` (a seeded ``torch.Generator``) or
             ``"secure"`` (AES-256-CTR keyed from OS entropy; takes no seed).
 
-    State: ``index`` (the next step t), the ring buffer of the last b−1 unit-scale outputs, and the
-    noise source's state. ``state_dict``/``load_state_dict`` restore them exactly, so a resumed run
-    continues the same noise stream and never reuses a noise vector. The state is a secret of the server:
-    whoever holds it can subtract the noise.
+    State: ``index`` (the next step t), the buffers (BandMF: the last b−1 unit-scale outputs; BLT: the ℓ
+    unit-scale S_j) and the noise source's state. ``state_dict``/``load_state_dict`` restore them exactly,
+    so a resumed run continues the same noise stream and never reuses a noise vector. The state is a secret
+    of the server: whoever holds it can subtract the noise.
     """
 
     def __init__(
         self,
-        strategy: BandedStrategy | None,
+        strategy: Strategy | None,
         *,
         noise_std: float,
         dim: int,
@@ -73,6 +129,8 @@ class Privatizer:
             raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be floating point, got {dtype}")
+        if strategy is not None and not isinstance(strategy, (BandedStrategy, BLTStrategy)):
+            raise ValueError(f"strategy must be a BandedStrategy, a BLTStrategy or None, got {type(strategy).__name__}")
         self.strategy = strategy
         self.noise_std = float(noise_std)
         self.dim = dim
@@ -81,10 +139,12 @@ class Privatizer:
         self._source = make_noise_source(source, seed, self.device)
         self.seeded_explicitly = seed is not None
         self.index = 0
-        bands = 1 if strategy is None else strategy.bands
-        self._buffer = torch.zeros(bands - 1, dim, device=self.device, dtype=dtype)
-        # Coefficients on the device once; step t reads its row.
-        self._band = None if strategy is None else strategy.band.to(self.device, dtype)
+        if strategy is None:
+            self._stream = None
+        elif isinstance(strategy, BLTStrategy):
+            self._stream = _BLTStream(strategy, dim, self.device, dtype)
+        else:
+            self._stream = _BandedStream(strategy, dim, self.device, dtype)
 
     @property
     def seed(self) -> int | None:
@@ -93,7 +153,13 @@ class Privatizer:
 
     @property
     def bands(self) -> int:
-        return 1 if self.strategy is None else self.strategy.bands
+        """b of a BandMF strategy (1 for independent noise and for BLT, which is not banded)."""
+        return self.strategy.bands if isinstance(self.strategy, BandedStrategy) else 1
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The stream's buffers (BandMF: (b−1)×d ring; BLT: ℓ×d); ``None`` for independent noise."""
+        return None if self._stream is None else self._stream.buffer
 
     @property
     def horizon(self) -> int | None:
@@ -103,38 +169,28 @@ class Privatizer:
     def _check_step(self, t: int) -> None:
         if self.horizon is not None and t >= self.horizon:
             raise ValueError(
-                f"the BandMF strategy was built for T = {self.horizon} rounds; step {t} is past it. "
+                f"the correlated-noise strategy was built for T = {self.horizon} rounds; step {t} is past it. "
                 "Build the strategy for the full number of rounds"
             )
 
-    def _unit_noise(self) -> torch.Tensor:
-        """y_t = [C⁻¹Z]_t for the current t, updating the ring buffer; advances the index."""
+    def _draw(self, std: float) -> torch.Tensor:
+        """w_t = std·[C⁻¹Z]_t for the current t, a fresh d-vector; updates the buffers and advances the index."""
         t = self.index
         self._check_step(t)
         z = self._source.normal(self.dim, self.dtype)
-        if self._band is None:
-            y = z
+        if self._stream is None:
+            noise = z.mul_(std)
         else:
-            b = self.bands
-            if b > 1:
-                lags = torch.arange(1, b, device=self.device)
-                slots = (t - lags) % (b - 1)  # ring slot holding y_{t−r}
-                weights = torch.zeros(b - 1, device=self.device, dtype=self.dtype)
-                # band[t, r] is 0 where t − r < 0, so the zero-initialized buffer needs no masking.
-                weights[slots] = self._band[t, 1:]
-                y = (z - weights @ self._buffer) / self._band[t, 0]
-                self._buffer[t % (b - 1)] = y
-            else:
-                y = z / self._band[t, 0]
+            noise = self._stream.step(t, z).mul_(std * self._stream.output_scale)
         self.index = t + 1
-        return y
+        return noise
 
     def _std(self, noise_std: float | None) -> float:
         if noise_std is None:
             return self.noise_std
         if self.strategy is not None:
             raise ValueError(
-                "BandMF noise needs the same scale every round (its correlations cancel only then); "
+                "correlated (BandMF, BLT) noise needs the same scale every round (its correlations cancel only then); "
                 "a per-round noise std (adaptive clipping) is allowed for independent noise only"
             )
         if not (isinstance(noise_std, (int, float)) and noise_std > 0 and noise_std != float("inf")):
@@ -147,14 +203,13 @@ class Privatizer:
         ``noise_std`` overrides σζ for this step (independent noise only: adaptive clipping changes ζ_t
         and σ_Δ every round).
         """
-        std = self._std(noise_std)
-        return std * self._unit_noise()
+        return self._draw(self._std(noise_std))
 
     def privatize(self, total: torch.Tensor, noise_std: float | None = None) -> torch.Tensor:
         """Σ_t + w_t for the sum of clipped updates ``total`` (a new tensor; ``total`` is untouched)."""
         if total.shape != (self.dim,):
             raise ValueError(f"sum of updates has shape {tuple(total.shape)}, expected ({self.dim},)")
-        return total.to(self.device, self.dtype) + self.next_noise(noise_std)
+        return self.next_noise(noise_std).add_(total.to(self.device, self.dtype))
 
     def noise_variance(self, t: int | None = None) -> float:
         """Per-coordinate variance of w_t on the sum: (σζ)²·‖row t of C⁻¹‖² (default t: the last step)."""
@@ -168,18 +223,27 @@ class Privatizer:
 
     # --- checkpointing -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        buffer = self.buffer if self.buffer is not None else torch.zeros(0, self.dim, dtype=self.dtype)
         return {
+            "version": _STATE_VERSION,
             "strategy": strategy_fingerprint(self.strategy),
             "noise_std": self.noise_std,
             "dim": self.dim,
             "seeded_explicitly": self.seeded_explicitly,
             "index": self.index,
-            "buffer": self._buffer.detach().cpu().clone(),
+            "buffer": buffer.detach().cpu().clone(),
             "source": self._source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a saved stream; refuses a state of another strategy, scale or dimension."""
+        """Restore a saved stream; refuses a state of another strategy, scale, dimension or layout version.
+
+        States without a version (written before version 2) hold the same unit-scale BandMF ring, so
+        they load unchanged.
+        """
+        version = state.get("version", 1)
+        if version not in (1, _STATE_VERSION):
+            raise ValueError(f"privatizer state has version {version!r}; this fed-dp reads versions 1 and {_STATE_VERSION}")
         for key, mine in (
             ("strategy", strategy_fingerprint(self.strategy)),
             ("noise_std", self.noise_std),
@@ -191,21 +255,26 @@ class Privatizer:
                     "a noise stream can only be resumed by the same mechanism"
                 )
         buffer = state["buffer"]
-        if tuple(buffer.shape) != tuple(self._buffer.shape):
-            raise ValueError(f"privatizer buffer has shape {tuple(buffer.shape)}, expected {tuple(self._buffer.shape)}")
+        expected = (0, self.dim) if self._stream is None else tuple(self._stream.buffer.shape)
+        if tuple(buffer.shape) != expected:
+            raise ValueError(f"privatizer buffer has shape {tuple(buffer.shape)}, expected {expected}")
         self.seeded_explicitly = bool(state["seeded_explicitly"])
         self.index = int(state["index"])
-        self._buffer = buffer.to(self.device, self.dtype).clone()
+        if self._stream is not None:
+            self._stream.buffer.copy_(buffer.to(self.device, self.dtype))
         self._source.load_state_dict(state["source"])
 
 
-def make_strategy(config: PrivacyConfig, cache_dir: str | None = None) -> BandedStrategy | None:
-    """The strategy C of ``config``: ``None`` (identity) for independent noise, else the optimized
-    banded Toeplitz strategy for (T, b, workload), read from the on-disk cache when present."""
+def make_strategy(config: PrivacyConfig, cache_dir: str | None = None) -> Strategy | None:
+    """The strategy C of ``config``: ``None`` (identity) for independent noise, the optimized banded
+    Toeplitz strategy for (T, b, workload) for BandMF, the optimized BLT for (T, buffers, min-separation,
+    workload) for BLT (``fed_dp.blt.config_strategy``, the one the accounting uses); read from the on-disk
+    cache when present."""
     if config.noise == "independent":
         return None
-    momentum = config.momentum if config.workload == "momentum" else 0.0
-    return optimize_toeplitz(config.rounds, config.bands, momentum=momentum, cache_dir=cache_dir)
+    if config.noise == "blt":
+        return config_strategy(config, cache_dir=cache_dir)
+    return optimize_toeplitz(config.rounds, config.bands, momentum=config.workload_momentum, cache_dir=cache_dir)
 
 
 def make_privatizer(
@@ -215,20 +284,31 @@ def make_privatizer(
     seed: int | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    strategy: BandedStrategy | None = None,
+    strategy: Strategy | None = None,
     source: str = "torch",
 ) -> Privatizer:
     """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given); ``source``:
-    the noise source (``fed_dp.randomness``)."""
+    the noise source (``fed_dp.randomness``).
+
+    A given BandMF strategy must match the config's T and b (any column-normalized b-banded C has the
+    accounted sensitivity). A given BLT strategy must be the config's own (``make_strategy``): the
+    accounting uses that strategy's sensitivity, so noise from another BLT would not be the ε reported.
+    """
     config.require_resolved("the privatizer")
     if strategy is None:
         strategy = make_strategy(config)
     elif config.noise == "independent":
         raise ValueError("a strategy was given but config.noise is 'independent'")
-    elif strategy.rounds != config.rounds or strategy.bands != config.bands:
+    elif config.noise == "blt":
+        if strategy != make_strategy(config):
+            raise ValueError(
+                "a BLT strategy was given that is not the config's optimized BLT; the accounting uses the "
+                "sensitivity of the config's strategy, so leave strategy unset (make_strategy(config) builds it)"
+            )
+    elif not isinstance(strategy, BandedStrategy) or strategy.rounds != config.rounds or strategy.bands != config.bands:
         raise ValueError(
-            f"strategy is for T = {strategy.rounds}, b = {strategy.bands}; config has "
-            f"T = {config.rounds}, b = {config.bands}"
+            f"strategy must be a BandedStrategy for T = {config.rounds}, b = {config.bands} (noise 'bandmf'); "
+            f"got {type(strategy).__name__} for T = {strategy.rounds}"
         )
     return Privatizer(
         strategy,

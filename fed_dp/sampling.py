@@ -11,11 +11,18 @@ disagree. Neighbouring datasets differ by one user's entire data (user-level DP)
 | all | add/remove | SelfComposed(Gaussian(σ), t) |
 | cyclic-poisson (q_b = B·b/N) | add/remove | SelfComposed(PoissonSampled(q_b, Gaussian(σ)), ⌈t/b⌉) |
 | min-sep (k participations) | add/remove | Gaussian(σ/√k) |
+| cyclic-poisson or min-sep with BLT noise | add/remove | Gaussian(σ/sens_t) |
 
 Replacing one user's clipped contribution moves the sum by up to 2ζ, and dp_accounting defines the noise
 multiplier as noise std over the L2 sensitivity of the chosen relation, hence σ/2 for replace-one.
 The cyclic-poisson event is amplified BandMF (Choquette-Choo et al. 2023, Thm. 4); min-sep is its
 deterministic counterpart (sensitivity √k for column-normalized C with min-separation ≥ b, §2).
+
+With BLT noise (``fed_dp.blt``) the event after t rounds is Gaussian(σ/sens_t), sens_t the BLT's
+sensitivity with every participation that the sampler's min-separation m allows in t rounds (m = b
+groups for cyclic-poisson, m = N // B for min-sep). A BLT is not banded, so the per-epoch decomposition
+behind amplified BandMF does not apply and cyclic Poisson sampling gets no amplification credit: the
+event is that of a user sampled in every round of its group.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, ClassVar
 import dp_accounting
 import torch
 
+from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import PrivacyConfig
 from fed_dp.randomness import entropy_seed
 
@@ -256,7 +264,20 @@ def dp_event(config: PrivacyConfig, rounds: int | None = None) -> dp_accounting.
     rounds = config.rounds if rounds is None else rounds
     if not (isinstance(rounds, int) and rounds >= 1):
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    if config.noise == "blt":
+        return blt_dp_event(config, rounds)
     return sampler_class(config).dp_event(config, rounds)
+
+
+def blt_dp_event(config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
+    """Gaussian(σ/sens_t) after t = ``rounds`` rounds of BLT noise (module docstring; ``fed_dp.blt``).
+
+    The noise is calibrated to one participation (σζ·C⁻¹Z with C's largest column norm 1); the several
+    participations a user can have enter only here, through sens_t ≥ 1.
+    """
+    if not (1 <= rounds <= config.rounds):
+        raise ValueError(f"a BLT run of T = {config.rounds} rounds is accounted for 1 … T rounds, got {rounds}")
+    return dp_accounting.GaussianDpEvent(config.noise_multiplier / math.sqrt(config_sensitivity_squared(config)[rounds - 1]))
 
 
 def neighboring_relation(config: PrivacyConfig) -> NeighboringRelation:

@@ -31,13 +31,17 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     The engine with cohorts of 50, 200 and 1,000 users per round (every user every round), against plain
     minibatch training over the same examples: the per-user overhead is (round − plain) / users.
 ``noise``
-    One BandMF noise step at d = 10⁷, b = 64 (the strategy optimized for T = 2,000: its cold time is
-    reported too) against drawing one N(0, I_d) vector; the memory of the (b − 1) × d buffer.
+    Side by side at d = 10⁷: one step of independent noise, BandMF (b = 64) and BLT (2 … 5 buffers), each
+    against drawing one N(0, I_d) vector (steps interleaved); the memory of each stream's state; the
+    error each strategy optimizes at T = 2,000 (with min-separation 64, and with one participation); the
+    time to read the BandMF ring once (its memory-bandwidth floor); cold strategy optimization times,
+    up to T = 10,000 with b = 1,024.
 ``secure-noise``
     Drawing N(0, I_d), d = 10⁷, from the secure source (AES-256-CTR keyed from os.urandom) against
     ``torch.randn`` on the same device (the CPU, and the GPU when there is one): the throughput ratio.
 ``accounting``
-    ε after 10,000 Poisson-sampled Gaussian rounds with PLD, and calibrating σ for a target ε.
+    ε after 10,000 Poisson-sampled Gaussian rounds with PLD, the whole per-round ε schedule of those rounds
+    (RDP and PLD), and calibrating σ for a target ε (PLD and RDP).
 ``gpu`` (only with CUDA)
     W1 scaled to 10,000 users and 1,000 per round on ``cuda``: users/s of the engine's vectorized path
     and the ratio to plain minibatch training over the same examples on the same GPU.
@@ -66,7 +70,7 @@ from torch.nn import functional as F
 
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import LocalTraining
-from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
 from fed_dp.checkpoint import read_diagnostics
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import simulation
@@ -161,17 +165,17 @@ def _sync(device: torch.device) -> None:
 
 
 def accounting_seconds(privacy: PrivacyConfig) -> float:
-    """Wall time of ε after every round 1..T from cold (the memo is cleared first); leaves it warm."""
+    """Wall time of the ε schedule (every round 1..T) from cold (the memos are cleared first); leaves it warm."""
     epsilon.cache_clear()
-    seconds, _ = _timed(lambda: [epsilon(privacy, t) for t in range(1, privacy.rounds + 1)])
+    epsilon_schedule.cache_clear()
+    seconds, _ = _timed(lambda: epsilon_schedule(privacy))
     return seconds
 
 
 def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: int, vectorized: bool | None,
                device: str = "cpu", chunk_size: int | None = None) -> dict[str, Any]:
     """One timed run of the in-process engine (DP-FedAvg, η = 1); ε is read from the warm memo."""
-    for t in range(1, privacy.rounds + 1):
-        epsilon(privacy, t)
+    epsilon_schedule(privacy)
     with simulation():
         optimizer = make_optimizer("dp-fedavg", lr=1.0)
     resolved = resolve_device(device)
@@ -375,39 +379,100 @@ def _resident_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def bench_noise(dim: int, bands: int, horizon: int, steps: int, log=print) -> dict[str, Any]:
-    """BandMF step (one batched (b−1)×d product) vs one N(0, I_d) draw; the strategy's cold optimization."""
-    with tempfile.TemporaryDirectory() as cache:
-        optimize_seconds, strategy = _timed(lambda: optimize_toeplitz(horizon, bands, cache_dir=cache))
-        cached_seconds, _ = _timed(lambda: optimize_toeplitz(horizon, bands, cache_dir=cache))
-    log(f"  strategy T = {horizon}, b = {bands}: optimized in {optimize_seconds:.1f} s, cached read {cached_seconds:.3f} s")
-    rss_before = _resident_bytes()
-    privatizer = Privatizer(strategy, noise_std=1.0, dim=dim, seed=0)
+def _noise_steps(privatizers: dict[str, Privatizer], dim: int, steps: int) -> dict[str, list[float]]:
+    """``steps`` timed steps of every privatizer and of one N(0, I_d) draw, interleaved (a slow phase of a
+    shared machine hits all of them), plus one read of the largest buffer (``buffer read``)."""
     generator = torch.Generator().manual_seed(1)
-    for _ in range(bands):  # fill the ring buffer first: untouched zero pages would make the product cheap
-        privatizer.next_noise()
-    band_times, gauss_times = [], []
+    largest = max((p.buffer for p in privatizers.values() if p.buffer is not None), key=torch.Tensor.numel, default=None)
+    times: dict[str, list[float]] = {"gaussian": [], "buffer read": [], **{name: [] for name in privatizers}}
     for _ in range(steps):
-        band_times.append(_timed(privatizer.next_noise)[0])
-        gauss_times.append(_timed(lambda: torch.randn(dim, generator=generator))[0])
-    band, gauss = statistics.median(band_times), statistics.median(gauss_times)
-    buffer_bytes = privatizer._buffer.numel() * privatizer._buffer.element_size()
-    rss_after = _resident_bytes()
-    rss_growth = None if rss_before is None or rss_after is None else rss_after - rss_before
-    return {"dim": dim, "bands": bands, "horizon": horizon, "steps": steps, "bandmf_step_seconds": band,
-            "gaussian_seconds": gauss, "ratio": band / gauss, "buffer_bytes": buffer_bytes,
-            "resident_growth_bytes": rss_growth, "optimize_seconds": optimize_seconds,
-            "cached_strategy_seconds": cached_seconds}
+        times["gaussian"].append(_timed(lambda: torch.randn(dim, generator=generator))[0])
+        if largest is not None:
+            times["buffer read"].append(_timed(largest.sum)[0])
+        for name, privatizer in privatizers.items():
+            times[name].append(_timed(privatizer.next_noise)[0])
+    return times
+
+
+def bench_noise(dim: int, bands: int, horizon: int, buffers: tuple[int, ...], steps: int, log=print) -> dict[str, Any]:
+    """Independent, BandMF (b bands) and BLT (each ℓ in ``buffers``) noise steps at d = ``dim`` against one
+    N(0, I_d) draw, side by side; their state's memory; and the error each strategy optimizes at T = horizon.
+
+    Error: sens² · (1/T)·‖A C⁻¹‖_F² (prefix sums), the expected squared error per round of the noise on the
+    running sums of updates at σ = 1, with sens the sensitivity of all the participations the separation
+    allows: at min-separation b (⌈T/b⌉ participations, what BandMF with b bands is built for; the BLTs are
+    optimized for it), and with one participation (BandMF's strategy unchanged, a BLT optimized for it).
+    At equal sensitivity-scaled error the mechanisms have equal ε, so these compare noise at matched ε.
+    Strategy optimizations are timed cold (a fresh cache folder), including T = 10,000 with b = 1,024.
+    """
+    from fed_dp.blt import blt_error, optimize_blt
+    from fed_dp.factorization import banded_error, identity_strategy
+
+    k = -(-horizon // bands)
+    optimize: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as cache:
+        optimize[f"BandMF T = {horizon}, b = {bands}"], strategy = _timed(lambda: optimize_toeplitz(horizon, bands, cache_dir=cache))
+        optimize[f"BandMF T = {horizon}, b = {bands}, from the cache"] = _timed(lambda: optimize_toeplitz(horizon, bands, cache_dir=cache))[0]
+        blts, single = {}, {}
+        for count in buffers:
+            optimize[f"BLT T = {horizon}, {count} buffers"], blts[count] = _timed(
+                lambda: optimize_blt(horizon, count, separation=bands, cache_dir=cache))
+            single[count] = optimize_blt(horizon, count, separation=horizon, cache_dir=cache)
+        large_t, large_b = (5 * horizon, 16 * bands)  # T = 10,000, b = 1,024 at full size
+        optimize[f"BandMF T = {large_t:,}, b = {large_b:,}"] = _timed(lambda: optimize_toeplitz(large_t, large_b, cache_dir=cache))[0]
+        optimize[f"BLT T = {large_t:,}, 4 buffers"] = _timed(lambda: optimize_blt(large_t, 4, separation=bands, cache_dir=cache))[0]
+    for name, seconds in optimize.items():
+        log(f"  strategy {name}: {seconds:.2f} s")
+
+    identity = identity_strategy(horizon)
+    rows = [{"name": "independent", "state_vectors": 0,
+             "error_min_sep": banded_error(identity, separation=bands), "error_one": banded_error(identity, separation=horizon)},
+            {"name": f"BandMF b = {bands}", "state_vectors": bands - 1,
+             "error_min_sep": banded_error(strategy, separation=bands), "error_one": banded_error(strategy, separation=horizon)}]
+    rows += [{"name": f"BLT {count} buffers", "state_vectors": count,
+              "error_min_sep": blt_error(blts[count], separation=bands), "error_one": blt_error(single[count], separation=horizon)}
+             for count in buffers]
+    privatizers, growth = {}, {}
+    for row, mechanism in zip(rows, [None, strategy] + [blts[count] for count in buffers]):
+        before = _resident_bytes()
+        privatizers[row["name"]] = privatizer = Privatizer(mechanism, noise_std=1.0, dim=dim, seed=0)
+        for _ in range(min(bands, horizon - steps)):  # fill the buffers first: untouched zero pages would be cheap
+            privatizer.next_noise()
+        after = _resident_bytes()
+        growth[row["name"]] = None if before is None or after is None else after - before
+    times = _noise_steps(privatizers, dim, steps)
+    gaussian = statistics.median(times["gaussian"])
+    bandmf_error = rows[1]["error_min_sep"], rows[1]["error_one"]
+    for row in rows:
+        privatizer = privatizers[row["name"]]
+        step = statistics.median(times[row["name"]])
+        row.update(step_seconds=step, ratio=step / gaussian,
+                   buffer_bytes=0 if privatizer.buffer is None else privatizer.buffer.numel() * privatizer.buffer.element_size(),
+                   resident_growth_bytes=growth[row["name"]],
+                   error_min_sep_vs_bandmf=row["error_min_sep"] / bandmf_error[0],
+                   error_one_vs_bandmf=row["error_one"] / bandmf_error[1])
+    return {"dim": dim, "bands": bands, "horizon": horizon, "participations": k, "steps": steps,
+            "gaussian_seconds": gaussian, "buffer_read_seconds": statistics.median(times["buffer read"]),
+            "mechanisms": rows, "optimize_seconds": optimize}
 
 
 def format_noise(r: dict[str, Any]) -> str:
-    return (f"BandMF noise step, d = {r['dim']:.0e}, b = {r['bands']}: {1e3 * r['bandmf_step_seconds']:.1f} ms "
-            f"vs one N(0, I_d) draw {1e3 * r['gaussian_seconds']:.1f} ms ({r['ratio']:.1f}×); buffer "
-            f"(b−1)×d float32 = {r['buffer_bytes'] / 2**30:.2f} GiB"
-            + ("" if r["resident_growth_bytes"] is None else
-               f" (resident memory grew {r['resident_growth_bytes'] / 2**30:.2f} GiB with the privatizer)") + "\n"
-            f"strategy optimization T = {r['horizon']}, b = {r['bands']}: {r['optimize_seconds']:.1f} s cold, "
-            f"{r['cached_strategy_seconds']:.3f} s from the cache")
+    d, b, T, k = r["dim"], r["bands"], r["horizon"], r["participations"]
+    rows = [[row["name"], f"{1e3 * row['step_seconds']:.1f}", f"{row['ratio']:.2f}×",
+             f"{row['state_vectors']}·d = {row['buffer_bytes'] / 2**30:.2f} GiB",
+             "" if row["resident_growth_bytes"] is None else f"{row['resident_growth_bytes'] / 2**30:.2f} GiB",
+             f"{row['error_min_sep']:.1f} ({row['error_min_sep_vs_bandmf']:.3f})",
+             f"{row['error_one']:.2f} ({row['error_one_vs_bandmf']:.3f})"] for row in r["mechanisms"]]
+    header = ["noise", "step ms", "vs draw", "state (float32)", "RSS growth", f"error, min-sep {b} (vs BandMF)",
+              "error, 1 participation (vs BandMF)"]
+    lines = [f"d = {d:.0e}, median of {r['steps']} interleaved steps; one N(0, I_d) draw: {1e3 * r['gaussian_seconds']:.1f} ms; "
+             f"reading the (b − 1)×d ring once (BandMF's memory-bandwidth floor): {1e3 * r['buffer_read_seconds']:.1f} ms "
+             f"({r['buffer_read_seconds'] / r['gaussian_seconds']:.2f}× the draw)",
+             _table(header, rows),
+             f"error = sens²·‖A C⁻¹‖²_F/T at T = {T:,} (prefix sums, σ = 1): with min-separation {b} every user can take "
+             f"part {k} times (the BLTs are optimized for it); with one participation the BLT is optimized for that",
+             "strategy optimization (cold): " + "; ".join(f"{name} {seconds:.2f} s" for name, seconds in r["optimize_seconds"].items())]
+    return "\n".join(lines)
 
 
 def bench_secure_noise(dim: int, steps: int, devices: list[str]) -> dict[str, Any]:
@@ -436,22 +501,42 @@ def format_secure_noise(r: dict[str, Any]) -> str:
                      for row in r["rows"])
 
 
-def bench_accounting(rounds: int, target_epsilon: float, accountant: str = "pld") -> dict[str, Any]:
-    """ε after ``rounds`` Poisson-sampled Gaussian rounds and σ calibration, from cold."""
+def bench_accounting(rounds: int, target_epsilon: float) -> dict[str, Any]:
+    """ε after ``rounds`` Poisson-sampled Gaussian rounds (PLD), the whole per-round schedule (RDP and PLD),
+    and σ calibration (PLD and RDP), each from cold (memos cleared)."""
     config = PrivacyConfig(num_users=100_000, expected_cohort=1_000, rounds=rounds, noise_multiplier=1.0,
-                           delta=1e-6, accountant=accountant)
-    epsilon.cache_clear()
-    eps_seconds, eps = _timed(lambda: epsilon(config))
-    calibrate_seconds, sigma = _timed(lambda: calibrate_noise_multiplier(config, target_epsilon))
-    return {"rounds": rounds, "q": config.sampling_rate, "delta": config.delta, "accountant": accountant, "epsilon": eps,
-            "epsilon_seconds": eps_seconds, "target_epsilon": target_epsilon, "calibrated_sigma": sigma,
-            "calibrate_seconds": calibrate_seconds}
+                           delta=1e-6, accountant="pld")
+    out: dict[str, Any] = {"rounds": rounds, "q": config.sampling_rate, "delta": config.delta,
+                           "target_epsilon": target_epsilon}
+
+    def cold(fn: Callable[[], Any]) -> tuple[float, Any]:
+        epsilon.cache_clear()
+        epsilon_schedule.cache_clear()
+        return _timed(fn)
+
+    out["epsilon_seconds"], out["epsilon"] = cold(lambda: epsilon(config))
+    for accountant in ("rdp", "pld"):
+        which = config.replace(accountant=accountant)
+        seconds, schedule = cold(lambda: epsilon_schedule(which))
+        out[f"schedule_{accountant}_seconds"], out[f"schedule_{accountant}_exact_rounds"] = seconds, len(schedule.exact_rounds)
+        out[f"schedule_{accountant}_last"] = schedule.epsilons[-1]
+        out[f"calibrate_{accountant}_seconds"], out[f"calibrated_sigma_{accountant}"] = cold(
+            lambda: calibrate_noise_multiplier(which, target_epsilon))
+    return out
 
 
 def format_accounting(r: dict[str, Any]) -> str:
-    return (f"ε after {r['rounds']:,} rounds (Poisson q = {r['q']:g}, σ = 1, {r['accountant'].upper()}, δ = {r['delta']:g}) = "
-            f"{r['epsilon']:.3f} in {r['epsilon_seconds']:.2f} s; calibrating σ for ε = {r['target_epsilon']:g}: "
-            f"σ = {r['calibrated_sigma']:.4f} in {r['calibrate_seconds']:.1f} s")
+    head = f"Poisson q = {r['q']:g}, σ = 1, δ = {r['delta']:g}, T = {r['rounds']:,} rounds"
+    rows = [["ε after T rounds, PLD (one accountant)", f"{r['epsilon_seconds']:.2f}", f"ε = {r['epsilon']:.3f}"],
+            ["per-round schedule, RDP (exact every round)", f"{r['schedule_rdp_seconds']:.2f}",
+             f"ε(T) = {r['schedule_rdp_last']:.3f}"],
+            ["per-round schedule, PLD", f"{r['schedule_pld_seconds']:.2f}",
+             f"exact at {r['schedule_pld_exact_rounds']} rounds, ε(T) = {r['schedule_pld_last']:.3f}"],
+            [f"calibrate σ for ε = {r['target_epsilon']:g}, PLD", f"{r['calibrate_pld_seconds']:.2f}",
+             f"σ = {r['calibrated_sigma_pld']:.6f}"],
+            [f"calibrate σ for ε = {r['target_epsilon']:g}, RDP", f"{r['calibrate_rdp_seconds']:.2f}",
+             f"σ = {r['calibrated_sigma_rdp']:.6f}"]]
+    return head + "\n" + _table(["accounting", "seconds", "result"], rows)
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------
@@ -465,8 +550,7 @@ def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, l
     clock starts."""
     task = w1_task(users=users, examples=spec.examples)
     privacy = replace(spec, rounds=rounds).privacy(cohort=cohort, users=users)
-    for t in range(1, rounds + 1):
-        epsilon(privacy, t)
+    epsilon_schedule(privacy)
     engine_run(task, replace(privacy, rounds=1), spec.training(), seed=spec.seed, vectorized=True, device=device)  # warm-up
     result = engine_run(task, privacy, spec.training(), seed=spec.seed, vectorized=True, device=device)
     rounds_seconds = sum(result["round_seconds"])
@@ -586,8 +670,8 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         section("cohort scaling (engine, every user every round; median round)", format_scaling(results["scaling"]))
     if "noise" in sections:
         log("measuring noise ...")
-        dim, bands, horizon = (10_000, 8, 64) if args.smoke else (10**7, 64, 2000)
-        results["noise"] = bench_noise(dim, bands, horizon, steps=3 if args.smoke else 10, log=log)
+        dim, bands, horizon, buffers = (10_000, 8, 64, (2, 3)) if args.smoke else (10**7, 64, 2000, (2, 3, 4, 5))
+        results["noise"] = bench_noise(dim, bands, horizon, buffers, steps=3 if args.smoke else 10, log=log)
         section("noise", format_noise(results["noise"]))
     if "secure-noise" in sections:
         log("measuring secure noise ...")
@@ -595,7 +679,8 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         results["secure-noise"] = bench_secure_noise(10_000 if args.smoke else 10**7, 3 if args.smoke else 10, devices)
         section("secure noise (AES-CTR) vs torch.randn", format_secure_noise(results["secure-noise"]))
     if "accounting" in sections:
-        results["accounting"] = bench_accounting(100, 8.0, "rdp") if args.smoke else bench_accounting(10_000, 8.0)
+        log("measuring accounting ...")
+        results["accounting"] = bench_accounting(100, 1.0) if args.smoke else bench_accounting(10_000, 8.0)
         section("accounting", format_accounting(results["accounting"]))
     if "gpu" in sections:
         if torch.cuda.is_available():

@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from fed_dp.accounting import epsilon, resolve_privacy
+from fed_dp.accounting import epsilon_schedule, resolve_privacy
 from fed_dp.clients.task import Task, build_task
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
@@ -154,10 +154,9 @@ def run_experiment(
     log(f"privacy: N = {task.num_users}, B = {privacy.expected_cohort}, T = {privacy.rounds}, "
         f"sigma = {privacy.noise_multiplier:.4f}, clip = {privacy.clip_norm}, sampler = {privacy.sampler}, "
         f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seed}")
-    # The ε of every round is the same for all optimizers (same sampler, σ, T): compute it once up front
-    # (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
-    schedule = [epsilon(privacy, t) for t in tqdm(
-        range(1, privacy.rounds + 1), desc="    accounting", disable=not progress, leave=False)]
+    # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
+    # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
+    schedule = epsilon_schedule(privacy).epsilons
     log(f"user-level epsilon after {privacy.rounds} rounds: {schedule[-1]:.4f} "
         f"({privacy.accountant}, delta = {privacy.delta:g})")
     log(f"users train: {base.client.training} on {resolve_device(base.client.device)}"

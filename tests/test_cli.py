@@ -90,6 +90,57 @@ def test_epsilon_text_output(capsys):
     assert "poisson" in out and "rdp" in out
 
 
+@pytest.mark.parametrize("sampler, extra", [("min-sep", []), ("cyclic-poisson", ["--bands", "5"])])
+def test_epsilon_with_blt_noise_uses_the_strategys_sensitivity(capsys, tmp_path, monkeypatch, sampler, extra):
+    """ε of --noise blt = dp_accounting's Gaussian(σ/sens_T), sens_T computed here from the dense C of the cached
+    strategy: ‖sum of the columns of the earliest pattern‖ (the maximum over patterns, tests/fed_dp/test_blt.py)."""
+    import numpy as np
+
+    from fed_dp.blt import BLTStrategy
+
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    argv = ["epsilon", "--num-users", "400", "--expected-cohort", "50", "--rounds", "60", "--noise-multiplier", "2",
+            "--delta", "1e-5", "--sampler", sampler, "--noise", "blt", "--buffers", "4", "--accountant", "rdp"] + extra
+    result = run_json(capsys, argv)
+    separation = 8 if sampler == "min-sep" else 5
+    (cached,) = tmp_path.iterdir()
+    assert cached.name == f"blt-T60-k4-m{separation}-prefix-sum.json"
+    payload = json.loads(cached.read_text())
+    C = BLTStrategy(tuple(payload["theta"]), tuple(payload["omega"]), 60).dense().numpy()
+    sens = float(np.linalg.norm(C[:, list(range(0, 60, separation))].sum(axis=1)))
+    assert result["blt_sensitivity"] == pytest.approx(sens, rel=1e-12) and sens > math.sqrt(60 / separation)
+    assert result["epsilon"] == pytest.approx(direct_epsilon(dp_accounting.GaussianDpEvent(2 / sens), "rdp"), rel=1e-9)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "blt (buffers 4)" in text and f"{sens:.4f}" in text
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_per_round_json_is_the_whole_schedule(capsys, accountant):
+    result = run_json(capsys, ["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "14",
+                               "--noise-multiplier", "1.5", "--delta", "1e-5", "--accountant", accountant,
+                               "--per-round"])
+    values, exact = result["epsilon"], result["exact_rounds"]
+    assert len(values) == 14 and values == sorted(values)
+    assert exact == (list(range(1, 15)) if accountant == "rdp" else list(range(1, 11)) + [13, 14])
+    for t in range(1, 15):
+        direct = direct_epsilon(poisson_event(0.01, 1.5, t), accountant)
+        if t in exact:
+            assert values[t - 1] == direct, t
+        else:
+            assert values[t - 1] == values[12] > direct, t  # rounds 11, 12 report round 13's ε
+
+
+def test_epsilon_per_round_text_lists_every_round(capsys):
+    assert main(["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "12",
+                 "--noise-multiplier", "1.5", "--delta", "1e-5", "--per-round"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("    ")]
+    assert [int(r[0]) for r in rows] == list(range(1, 13))
+    assert [r[2:] for r in rows if len(r) > 2] == [["(upper", "bound)"]]  # round 11 only
+    assert f"{direct_epsilon(poisson_event(0.01, 1.5, 12), 'pld'):.4f}" in lines[0]
+
+
 @pytest.mark.parametrize("extra, event_of", [
     pytest.param(["--accountant", "rdp"], lambda s: poisson_event(0.01, s, 50), id="poisson-rdp"),
     pytest.param(["--sampler", "min-sep", "--noise", "bandmf", "--bands", "3", "--expected-cohort", "100"],
@@ -132,6 +183,12 @@ INVALID = [
                   "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "min-sep",
                   "--max-participations", "2"],
                  ["max_participations"], id="min-sep-under-counted-k"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "30",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--sampler", "min-sep", "--noise", "blt"],
+                 ["blt", "buffers"], id="blt-without-buffers"),
+    pytest.param(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "30",
+                  "--noise-multiplier", "1", "--delta", "1e-5", "--noise", "blt", "--buffers", "3"],
+                 ["blt", "min-sep"], id="blt-with-poisson"),
 ]
 
 

@@ -57,16 +57,26 @@ def test_reference_figure_poisson(accountant, expected):
 # ------------------------------------------------------------------------------------------------
 
 
-def _hand_event(cfg: PrivacyConfig, sigma: float):
-    """The §4 event of cfg's full run at multiplier ``sigma``, written out per sampler."""
-    T, N, B, b = cfg.rounds, cfg.num_users, cfg.expected_cohort, cfg.bands
+def _hand_event_at(cfg: PrivacyConfig, t: int):
+    """The §4 event after t rounds, written out per sampler (independent of fed_dp.sampling)."""
+    N, B, b, s = cfg.num_users, cfg.expected_cohort, cfg.bands, cfg.noise_multiplier
     if cfg.sampler == "poisson":
-        return poisson_event(B / N, sigma, T)
+        return poisson_event(B / N, s, t)
     if cfg.sampler == "cyclic-poisson":
-        return poisson_event(B * b / N, sigma, math.ceil(T / b))
+        return poisson_event(B * b / N, s, math.ceil(t / b))
     if cfg.sampler == "min-sep":
-        return dp_accounting.GaussianDpEvent(sigma / math.sqrt(math.ceil(T / (N // B))))
+        return dp_accounting.GaussianDpEvent(s / math.sqrt(math.ceil(t / (N // B))))
+    if cfg.sampler == "all":
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(s), t)
+    if cfg.sampler == "without-replacement":
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(N, B, dp_accounting.GaussianDpEvent(s / 2)), t)
     raise AssertionError(cfg.sampler)
+
+
+def _hand_event(cfg: PrivacyConfig, sigma: float):
+    """The §4 event of cfg's full run at multiplier ``sigma``."""
+    return _hand_event_at(cfg.replace(noise_multiplier=sigma), cfg.rounds)
 
 
 CALIBRATION_CASES = [
@@ -268,6 +278,128 @@ def test_restoring_a_ledger_with_a_wrong_epsilon_is_refused():
     del data["records"][1]
     with pytest.raises(ValueError, match="consecutive"):
         PrivacyLedger.from_dict(data)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-round schedule (O(T)): the same numbers as round-by-round dp_accounting
+# ------------------------------------------------------------------------------------------------
+
+from fed_dp.accounting import (  # noqa: E402
+    PLD_DENSE_ROUNDS,
+    PLD_ROUND_RATIO,
+    _certified_pld_sigma,
+    epsilon_schedule,
+    pld_exact_rounds,
+)
+
+SCHEDULE_CONFIGS = [
+    pytest.param(dict(num_users=1000, expected_cohort=10, rounds=40, noise_multiplier=1.2), id="poisson"),
+    pytest.param(dict(num_users=1000, expected_cohort=20, rounds=37, noise_multiplier=1.5, sampler="cyclic-poisson",
+                      noise="bandmf", bands=4), id="cyclic-bandmf"),
+    pytest.param(dict(num_users=1000, expected_cohort=100, rounds=35, noise_multiplier=3.0, sampler="min-sep",
+                      noise="bandmf", bands=3), id="min-sep-bandmf"),
+    pytest.param(dict(num_users=50, expected_cohort=50, rounds=25, noise_multiplier=4.0, sampler="all"), id="all"),
+]
+
+
+@pytest.mark.parametrize("kwargs", SCHEDULE_CONFIGS + [pytest.param(
+    dict(num_users=1000, expected_cohort=10, rounds=30, noise_multiplier=1.1, sampler="without-replacement"),
+    id="without-replacement")])
+def test_rdp_schedule_equals_round_by_round_dp_accounting_exactly(kwargs):
+    cfg = PrivacyConfig(delta=1e-5, accountant="rdp", **kwargs)
+    schedule = epsilon_schedule(cfg)
+    relation = REPLACE_ONE if cfg.sampler == "without-replacement" else ADD_REMOVE
+    assert schedule.exact_rounds == tuple(range(1, cfg.rounds + 1))
+    for t in range(1, cfg.rounds + 1):
+        assert schedule.at(t) == direct_epsilon(_hand_event_at(cfg, t), "rdp", cfg.delta, relation), t
+        assert schedule.at(t) == epsilon(cfg, t), t
+
+
+@pytest.mark.parametrize("kwargs", SCHEDULE_CONFIGS)
+def test_pld_schedule_is_exact_at_its_rounds_and_an_upper_bound_between(kwargs):
+    cfg = PrivacyConfig(delta=1e-5, accountant="pld", **kwargs)
+    schedule = epsilon_schedule(cfg)
+    computed = pld_exact_rounds(cfg.rounds)
+    assert set(computed) <= set(schedule.exact_rounds)
+    values = schedule.epsilons
+    assert list(values) == sorted(values)  # nondecreasing
+    for t in range(1, cfg.rounds + 1):
+        direct = direct_epsilon(_hand_event_at(cfg, t), "pld", cfg.delta)
+        following = next(r for r in computed if r >= t)
+        if t in schedule.exact_rounds:
+            assert schedule.at(t) == direct, t  # the same numbers as a fresh PLDAccountant
+        else:
+            assert schedule.at(t) == schedule.at(following) >= direct, t  # the next exact value: an upper bound
+            assert schedule.at(t) > direct, t  # and the bound is not vacuous: it is really conservative here
+
+
+def test_min_sep_pld_schedule_is_exact_wherever_the_event_repeats():
+    # m = 10: rounds 11..20 share one event (k = 2), so all of them are exact as soon as one of them is computed.
+    cfg = PrivacyConfig(num_users=1000, expected_cohort=100, rounds=35, noise_multiplier=3.0, delta=1e-5,
+                        sampler="min-sep", noise="bandmf", bands=3)
+    assert epsilon_schedule(cfg).exact_rounds == tuple(range(1, 36))
+
+
+def test_pld_exact_rounds_are_dense_then_geometric_and_end_at_T():
+    for T in (1, 7, 10, 11, 100, 2000, 10_000):
+        rounds = pld_exact_rounds(T)
+        assert rounds[: min(T, PLD_DENSE_ROUNDS)] == tuple(range(1, min(T, PLD_DENSE_ROUNDS) + 1))
+        assert rounds[-1] == T and list(rounds) == sorted(set(rounds))
+        for a, b in zip(rounds, rounds[1:]):
+            assert b <= max(a + 1, math.ceil(a * PLD_ROUND_RATIO))
+    assert len(pld_exact_rounds(10_000)) <= 45
+    with pytest.raises(ValueError, match="rounds"):
+        pld_exact_rounds(0)
+
+
+def test_pld_budget_check_uses_the_conservative_value_between_exact_rounds():
+    cfg = _ledger_config(accountant="pld", rounds=12)  # exact rounds 1..10, 12; round 11 reports ε(12)
+    e11 = direct_epsilon(poisson_event(0.01, 1.5, 11), "pld", 1e-5)
+    e12 = direct_epsilon(poisson_event(0.01, 1.5, 12), "pld", 1e-5)
+    assert e11 < e12
+    ledger = PrivacyLedger(cfg.replace(epsilon_budget=(e11 + e12) / 2))
+    for _ in range(10):
+        ledger.record_round()
+    with pytest.raises(BudgetExceededError, match="budget"):
+        ledger.check_next_round()  # exact ε(11) would fit, the reported upper bound does not
+    assert ledger.rounds == 10
+
+
+def test_ledger_restores_a_checkpoint_that_recorded_the_exact_pld_value():
+    """Ledgers written before the schedule stored dp_accounting's exact ε at every round; still accepted."""
+    cfg = _ledger_config(accountant="pld", rounds=12)
+    ledger = PrivacyLedger(cfg)
+    for _ in range(11):
+        ledger.record_round()
+    data = ledger.to_dict()
+    assert data["records"][-1]["epsilon"] == epsilon_schedule(cfg).at(12)
+    data["records"][-1]["epsilon"] = direct_epsilon(poisson_event(0.01, 1.5, 11), "pld", 1e-5)
+    assert PrivacyLedger.from_dict(data).rounds == 11
+    data["records"][-1]["epsilon"] *= 1.01
+    with pytest.raises(ValueError, match="does not match"):
+        PrivacyLedger.from_dict(data)
+
+
+def test_pld_calibration_is_certified_to_the_tolerance():
+    cfg = PrivacyConfig(num_users=1000, expected_cohort=100, rounds=20, noise_multiplier=1.0, delta=1e-5)
+    sigma = calibrate_noise_multiplier(cfg, 2.0)
+    assert direct_epsilon(poisson_event(0.1, sigma, 20), "pld", 1e-5) <= 2.0
+    assert direct_epsilon(poisson_event(0.1, sigma - 1e-6, 20), "pld", 1e-5) > 2.0
+
+
+@pytest.mark.parametrize("slope_factor, offset", [(1.0, 0.0), (0.2, 0.0), (5.0, 3e-3), (1.0, -2e-2), (-1.0, 1e-2)])
+def test_certified_search_returns_a_valid_tight_sigma_from_poor_starts(slope_factor, offset):
+    """A wrong slope (even of the wrong sign) or a far guess costs evaluations, never validity:
+    ε(σ) ≤ target < ε(σ − tol). Several of these cases end in the calibrate_dp_mechanism fallback."""
+    cfg = PrivacyConfig(num_users=1000, expected_cohort=100, rounds=20, noise_multiplier=1.0, delta=1e-5)
+    target = 2.0
+    reference = calibrate_noise_multiplier(cfg, target)
+    h = 1e-4
+    slope = (direct_epsilon(poisson_event(0.1, reference + h, 20), "pld", 1e-5)
+             - direct_epsilon(poisson_event(0.1, reference, 20), "pld", 1e-5)) / h
+    sigma = _certified_pld_sigma(cfg, target, reference + offset, slope * slope_factor)
+    assert direct_epsilon(poisson_event(0.1, sigma, 20), "pld", 1e-5) <= target
+    assert direct_epsilon(poisson_event(0.1, sigma - 1e-6, 20), "pld", 1e-5) > target
 
 
 # --- regression: sampling without replacement, recomputed independently -------------------------------------

@@ -42,6 +42,13 @@ def make(**changes) -> PrivacyConfig:
         ({"momentum": 0.9}, "workload"),
         ({"momentum": 1.0}, "momentum"),
         ({"workload": "momentum", "momentum": 0.9}, "only applies to noise 'bandmf'"),
+        ({"noise": "blt", "buffers": 4}, "cyclic-poisson or min-sep"),
+        ({"noise": "blt", "sampler": "min-sep"}, "needs buffers"),
+        ({"noise": "blt", "sampler": "min-sep", "buffers": 0}, "needs buffers"),
+        ({"noise": "blt", "sampler": "min-sep", "buffers": 17}, "needs buffers"),
+        ({"noise": "blt", "sampler": "min-sep", "buffers": 2.0}, "needs buffers"),
+        ({"noise": "bandmf", "sampler": "min-sep", "buffers": 4}, "only applies to noise 'blt'"),
+        ({"buffers": 4}, "only applies to noise 'blt'"),
     ],
 )
 def test_invalid_configs_are_refused(changes, message):
@@ -75,6 +82,9 @@ def test_derived_rates_and_participations():
 def test_to_dict_round_trips():
     config = make(sampler="cyclic-poisson", noise="bandmf", bands=5, workload="momentum", momentum=0.9)
     assert PrivacyConfig(**config.to_dict()) == config
+    blt = make(sampler="min-sep", noise="blt", buffers=3, workload="momentum", momentum=0.5)
+    assert PrivacyConfig(**blt.to_dict()) == blt and blt.workload_momentum == 0.5
+    assert make(sampler="cyclic-poisson", noise="blt", buffers=1, bands=5).workload_momentum == 0.0
 
 
 # --- target ε, the task's population, and resolution -------------------------------------------------------

@@ -182,6 +182,18 @@ def test_inverse_row_sq_norms_match_dense_inverse(make):
     np.testing.assert_allclose(strategy.inverse_row_sq_norms().numpy(), expected, rtol=1e-12, atol=0)
 
 
+def test_toeplitz_strategies_take_the_o_t_b_path_and_agree_with_the_general_recurrence(tmp_path):
+    """C = C̃·diag(s) is recognized for Toeplitz-built strategies only; both paths give the same row norms."""
+    optimized = optimize_toeplitz(300, 16, momentum=0.5, cache_dir=tmp_path)
+    assert optimized._scaled_toeplitz() is not None
+    assert toeplitz_strategy(random_coefs(6, seed=1), 50)._scaled_toeplitz() is not None
+    assert banded_from_dense(torch.tensor(random_banded(50, 9, seed=4), dtype=F64), 9)._scaled_toeplitz() is None
+    general = BandedStrategy(optimized.band.clone())
+    object.__setattr__(general, "_scaled_toeplitz", lambda: None)  # force the O(T²·b) recurrence, same matrix
+    np.testing.assert_allclose(optimized.inverse_row_sq_norms().numpy(), general.inverse_row_sq_norms().numpy(),
+                               rtol=1e-11)
+
+
 # ------------------------------------------------------------------------------------------------
 # Workloads and losses
 # ------------------------------------------------------------------------------------------------
@@ -426,3 +438,17 @@ def test_to_dict_from_dict_exact_round_trip():
     assert torch.equal(restored.band, strategy.band)
     with pytest.raises(ValueError, match="shape"):
         BandedStrategy.from_dict({**strategy.to_dict(), "rounds": 16})
+
+
+def test_banded_error_is_k_times_the_dense_loss_and_needs_separation_at_least_b(tmp_path):
+    from fed_dp.factorization import banded_error
+
+    strategy = optimize_toeplitz(40, 4, cache_dir=tmp_path)
+    C = strategy.dense().numpy()
+    for separation, k in ((4, 10), (7, 6), (40, 1)):
+        for momentum in (0.0, 0.5):
+            expected = k * ref_loss(C, ref_workload(40, momentum))  # unit columns m ≥ b apart: sens² = k
+            assert banded_error(strategy, separation=separation, momentum=momentum) == pytest.approx(expected, rel=1e-10)
+    assert banded_error(identity_strategy(40), separation=1) == pytest.approx(40 * 41 / 2)  # C = I: T·‖A‖²/T
+    with pytest.raises(ValueError, match="must be >= bands"):
+        banded_error(strategy, separation=3)

@@ -233,3 +233,113 @@ def test_privatizer_validates_its_arguments(kwargs, message):
 def test_privatize_refuses_a_wrong_shape():
     with pytest.raises(ValueError, match="shape"):
         Privatizer(None, noise_std=1.0, dim=3, seed=0).privatize(torch.zeros(4))
+
+
+# --- BLT -------------------------------------------------------------------------------------------
+from fed_dp.blt import BLTStrategy  # noqa: E402
+
+BLT = BLTStrategy((0.25, 0.2, 0.1), (0.95, 0.6, 0.3), 14)
+
+
+def _dense_blt(strategy: BLTStrategy) -> torch.Tensor:
+    """C = C̃/‖c‖ built by explicit loops from θ, ω (not from the code under test)."""
+    T = strategy.rounds
+    c = [1.0] + [sum(th * om ** (t - 1) for th, om in zip(strategy.theta, strategy.omega)) for t in range(1, T)]
+    C = torch.zeros(T, T, dtype=torch.float64)
+    for t in range(T):
+        for j in range(t + 1):
+            C[t, j] = c[t - j]
+    return C / math.sqrt(sum(v * v for v in c))
+
+
+def test_streaming_blt_equals_dense_inverse_times_z():
+    rounds, dim, seed = BLT.rounds, 300, 5
+    privatizer = Privatizer(BLT, noise_std=1.7, dim=dim, seed=seed, dtype=torch.float64)
+    assert privatizer.buffer.shape == (3, dim)  # ℓ buffers of d floats, nothing of size T
+    streamed = torch.stack([privatizer.next_noise() for _ in range(rounds)])
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.stack([torch.randn(dim, generator=generator, dtype=torch.float64) for _ in range(rounds)])
+    dense = 1.7 * torch.linalg.solve_triangular(_dense_blt(BLT), z, upper=False)
+    torch.testing.assert_close(streamed, dense, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_streaming_blt_float32_matches_dense_to_single_precision(device):
+    privatizer = Privatizer(BLT, noise_std=0.5, dim=1000, seed=6, device=device)
+    streamed = torch.stack([privatizer.next_noise() for _ in range(BLT.rounds)]).double().cpu()
+    generator = torch.Generator(device=device).manual_seed(6)
+    z = torch.stack([torch.randn(1000, generator=generator, device=device) for _ in range(BLT.rounds)]).double().cpu()
+    dense = 0.5 * torch.linalg.solve_triangular(_dense_blt(BLT), z, upper=False)
+    torch.testing.assert_close(streamed, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_blt_noise_std_per_round_is_sigma_zeta_row_norm_over_B():
+    dim = 40_000
+    privatizer = Privatizer(BLT, noise_std=SIGMA * CLIP, dim=dim, seed=8)
+    row_norms = torch.linalg.inv(_dense_blt(BLT)).norm(dim=1)
+    for t in range(BLT.rounds):
+        noise = _zero_round_noise(privatizer, dim)
+        expected = SIGMA * CLIP * row_norms[t].item() / COHORT
+        assert abs(noise.std().item() / expected - 1) < _std_bound(dim), t
+        assert privatizer.noise_variance(t) == pytest.approx((SIGMA * CLIP * row_norms[t].item()) ** 2, rel=1e-10)
+    sample = noise[:10_000].numpy()
+    assert stats.kstest(sample / expected, "norm").pvalue > 1e-3
+    for wrong in (2 / 3, 3 / 2):
+        assert stats.kstest(sample / (expected * wrong), "norm").pvalue < 1e-6
+
+
+def test_blt_save_and_restore_mid_stream_continue_exactly():
+    original = Privatizer(BLT, noise_std=0.9, dim=500, seed=31)
+    before = [original.next_noise() for _ in range(6)]
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    buffer.seek(0)
+    restored = Privatizer(BLT, noise_std=0.9, dim=500, seed=7)
+    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    assert restored.index == 6 and torch.equal(restored.buffer, original.buffer)
+    for _ in range(BLT.rounds - 6):
+        expected, got = original.next_noise(), restored.next_noise()
+        assert torch.equal(expected, got)
+        assert all(not torch.equal(got, old) for old in before)
+    with pytest.raises(ValueError, match="T = 14"):
+        restored.next_noise()
+
+
+def test_blt_state_is_refused_by_another_mechanism():
+    state = Privatizer(BLT, noise_std=1.0, dim=10, seed=1).state_dict()
+    other = BLTStrategy((0.25, 0.2, 0.1), (0.95, 0.6, 0.31), 14)
+    with pytest.raises(ValueError, match="strategy"):
+        Privatizer(other, noise_std=1.0, dim=10).load_state_dict(state)
+    with pytest.raises(ValueError, match="strategy"):
+        Privatizer(STRATEGIES["general"](), noise_std=1.0, dim=10).load_state_dict(state)
+    with pytest.raises(ValueError, match="same scale"):
+        Privatizer(BLT, noise_std=1.0, dim=10).next_noise(noise_std=2.0)
+
+
+def test_bandmf_state_without_a_version_still_loads():
+    """Checkpoints written before the state carried a version hold the same unit-scale ring."""
+    strategy = STRATEGIES["general"]()
+    original = Privatizer(strategy, noise_std=1.0, dim=50, seed=3)
+    for _ in range(4):
+        original.next_noise()
+    state = original.state_dict()
+    del state["version"]
+    restored = Privatizer(strategy, noise_std=1.0, dim=50, seed=0)
+    restored.load_state_dict(state)
+    assert torch.equal(restored.next_noise(), original.next_noise())
+    state["version"] = 99
+    with pytest.raises(ValueError, match="version"):
+        restored.load_state_dict(state)
+
+
+def test_make_privatizer_builds_the_configs_blt_and_refuses_another(tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    config = PrivacyConfig(num_users=1000, expected_cohort=10, rounds=20, noise_multiplier=1.0, delta=1e-5,
+                           sampler="min-sep", noise="blt", buffers=2)
+    privatizer = make_privatizer(config, dim=8, seed=0)
+    assert isinstance(privatizer.strategy, BLTStrategy) and privatizer.strategy.buffers == 2
+    assert privatizer.strategy.rounds == 20 and privatizer.buffer.shape == (2, 8)
+    assert [p.name for p in tmp_path.iterdir()] == ["blt-T20-k2-m20-prefix-sum.json"]  # m = 100 ≥ T: capped
+    assert make_privatizer(config, dim=8, seed=0, strategy=privatizer.strategy).strategy == privatizer.strategy
+    with pytest.raises(ValueError, match="not the config's optimized BLT"):
+        make_privatizer(config, dim=8, strategy=BLTStrategy((0.3,), (0.5,), 20))

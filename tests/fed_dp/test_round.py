@@ -112,9 +112,14 @@ def test_ledger_matches_dp_accounting_and_budget_refuses_the_next_round():
     assert state.sampler.rounds_sampled == sampled_before  # refused before a cohort was drawn
 
 
-@pytest.mark.parametrize("name", ["dp-fedavg", "dp-adambc", "dp-adam-ime"])
-def test_resume_from_checkpoint_reaches_the_same_model_and_ledger(name):
-    config = _config(rounds=6)
+BLT_CONFIG = dict(sampler="min-sep", noise="blt", buffers=3, num_users=200, expected_cohort=40, accountant="pld")
+
+
+@pytest.mark.parametrize("name, noise", [("dp-fedavg", {}), ("dp-adambc", {}), ("dp-adam-ime", {}),
+                                         ("dp-adambc", BLT_CONFIG), ("dp-adam-ime", BLT_CONFIG)])
+def test_resume_from_checkpoint_reaches_the_same_model_and_ledger(name, noise, tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    config = _config(rounds=6, **noise)
 
     def run(state, rounds):
         for _ in range(rounds):
@@ -206,6 +211,21 @@ def test_bandmf_round_uses_the_strategy_noise(tmp_path, monkeypatch):
         plan = begin_round(state)
         state, metrics = finish_round(state, plan, _honest_replies(plan, seed=plan.round))
     assert metrics["epsilon"] == pytest.approx(epsilon(config, 3))
+
+
+def test_blt_round_uses_the_configs_blt_noise_and_accounting(tmp_path, monkeypatch):
+    from fed_dp.blt import BLTStrategy, config_strategy
+
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    config = _config(sampler="cyclic-poisson", noise="blt", buffers=2, bands=4, num_users=400)
+    state = init_server(config, make_optimizer("dp-adambc"), torch.zeros(DIM), seed=1)
+    assert isinstance(state.privatizer.strategy, BLTStrategy) and state.privatizer.strategy == config_strategy(config)
+    for t in range(3):
+        plan = begin_round(state)
+        state, metrics = finish_round(state, plan, _honest_replies(plan, seed=plan.round))
+        assert metrics["epsilon"] == epsilon(config, t + 1)  # RDP: exact every round
+    with pytest.raises(ValueError, match="adaptive clipping"):
+        init_server(config, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1, adaptive_clipping=ADAPTIVE)
 
 
 # --- adaptive clipping through the round ------------------------------------------------------------

@@ -70,6 +70,10 @@ def test_defaults_and_unset_values():
     assert run.task.options == {"users": 30}  # "" means not given
     resolved = resolve_privacy(run.privacy, 30)
     assert epsilon(resolved) <= 3.0 and resolved.num_users == 30
+    assert run.privacy.buffers is None  # privacy.buffers = 0 is unset
+    blt = RunConfig.from_flat({**flower_defaults(), "privacy.noise": "blt", "privacy.buffers": 4,
+                               "privacy.sampler": "min-sep"})
+    assert blt.privacy.noise == "blt" and blt.privacy.buffers == 4
 
 
 @pytest.mark.parametrize("flat, message", [
@@ -87,6 +91,8 @@ def test_defaults_and_unset_values():
     ({"optimizer.momentum": 0.9}, "momentum"),  # dp-adam has no momentum: the optimizer says so
     ({"task.ref": "nonsense"}, "package.module:factory"),
     ({"rounds": 3}, "table.key"),
+    ({"privacy.noise": "blt", "privacy.sampler": "min-sep"}, "needs buffers"),
+    ({"privacy.buffers": 3}, "only applies to noise 'blt'"),
 ])
 def test_invalid_values_name_the_key(flat, message):
     with pytest.raises(ValueError, match=message):

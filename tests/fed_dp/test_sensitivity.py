@@ -139,3 +139,103 @@ def test_strategy_cache_goes_to_the_given_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path / "env"))
     optimize_toeplitz(12, 2)
     assert list((tmp_path / "env").glob("*.json"))
+
+
+# ------------------------------------------------------------------------------------------------
+# BLT: not banded, so its sensitivity is computed (fed_dp.blt) and the accounting must use it
+# ------------------------------------------------------------------------------------------------
+
+import dp_accounting  # noqa: E402
+from dp_accounting import pld, rdp  # noqa: E402
+
+from fed_dp.accounting import PrivacyLedger, calibrate_noise_multiplier, epsilon, epsilon_schedule  # noqa: E402
+from fed_dp.blt import config_strategy  # noqa: E402
+from fed_dp.sampling import dp_event  # noqa: E402
+
+BLT_CONFIGS = {
+    # m = N // B = 40 // 10 = 4 groups, T = 14: ⌈14/4⌉ = 4 participations
+    "min-sep": dict(num_users=40, expected_cohort=10, rounds=14, sampler="min-sep"),
+    # b = 3 groups, T = 13: ⌈13/3⌉ = 5 participations
+    "cyclic-poisson": dict(num_users=60, expected_cohort=5, rounds=13, sampler="cyclic-poisson", bands=3),
+}
+
+
+def _blt_config(name, accountant="pld", sigma=2.0, **changes):
+    return PrivacyConfig(**{**BLT_CONFIGS[name], "noise_multiplier": sigma, "delta": 1e-5, "noise": "blt",
+                            "buffers": 2, "accountant": accountant, **changes})
+
+
+def _direct(event, accountant):
+    acc = pld.PLDAccountant() if accountant == "pld" else rdp.RdpAccountant()
+    acc.compose(event)
+    return acc.get_epsilon(1e-5)
+
+
+def _brute_force_sens_sq(C: np.ndarray, separation: int, t: int) -> float:
+    """max over patterns in rounds < t with gaps ≥ separation of ‖Σ_{i∈P} C[:t, i]‖² (every pattern, any size)."""
+    return max(float(np.sum(C[:t, list(p)].sum(axis=1) ** 2)) for p in patterns(t, separation, t))
+
+
+@pytest.mark.parametrize("name", sorted(BLT_CONFIGS))
+def test_blt_event_after_every_round_uses_the_brute_force_sensitivity(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    cfg = _blt_config(name)
+    C = config_strategy(cfg).dense().numpy()
+    assert np.linalg.norm(C, axis=0).max() == pytest.approx(1.0)  # the noise is calibrated to one participation
+    for t in range(1, cfg.rounds + 1):
+        sens = math.sqrt(_brute_force_sens_sq(C, cfg.min_separation, t))
+        event = dp_event(cfg, t)
+        assert event == dp_accounting.GaussianDpEvent(event.noise_multiplier)
+        assert event.noise_multiplier == pytest.approx(cfg.noise_multiplier / sens, rel=1e-12), t
+    k = math.ceil(cfg.rounds / cfg.min_separation)
+    assert _brute_force_sens_sq(C, cfg.min_separation, cfg.rounds) > k  # BandMF's √k would under-count here
+
+
+@pytest.mark.parametrize("name", sorted(BLT_CONFIGS))
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_blt_epsilon_schedule_and_ledger_match_dp_accounting(name, accountant, tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    cfg = _blt_config(name, accountant)
+    C = config_strategy(cfg).dense().numpy()
+    schedule = epsilon_schedule(cfg)
+    ledger = PrivacyLedger(cfg)
+    for t in range(1, cfg.rounds + 1):
+        sigma_eff = cfg.noise_multiplier / math.sqrt(_brute_force_sens_sq(C, cfg.min_separation, t))
+        direct = _direct(dp_accounting.GaussianDpEvent(sigma_eff), accountant)
+        record = ledger.record_round()
+        assert record.epsilon == schedule.at(t)
+        if t in schedule.exact_rounds:
+            assert schedule.at(t) == pytest.approx(direct, rel=1e-9), t
+        else:
+            assert schedule.at(t) >= direct
+    assert epsilon(cfg) == pytest.approx(_direct(dp_accounting.GaussianDpEvent(
+        cfg.noise_multiplier / math.sqrt(_brute_force_sens_sq(C, cfg.min_separation, cfg.rounds))), accountant), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(BLT_CONFIGS))
+def test_blt_sampler_patterns_stay_within_the_accounted_sensitivity(name, tmp_path, monkeypatch):
+    """Every user's actual participations, with equal contributions, move the release by at most sens_T."""
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    cfg = _blt_config(name)
+    C = config_strategy(cfg).dense().numpy()
+    accounted = cfg.noise_multiplier / dp_event(cfg).noise_multiplier  # sens_T
+    for seed in range(3):
+        sampler = make_sampler(cfg, seed=seed)
+        rounds_of = {}
+        for t in range(cfg.rounds):
+            for u in sampler.next_cohort().tolist():
+                rounds_of.setdefault(u, []).append(t)
+        assert rounds_of
+        for p in rounds_of.values():
+            assert all(b - a >= cfg.min_separation for a, b in zip(p, p[1:]))
+            assert np.sum(C[:, p].sum(axis=1) ** 2) <= accounted**2 * (1 + 1e-12)
+
+
+def test_blt_calibration_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    cfg = _blt_config("min-sep")
+    C = config_strategy(cfg).dense().numpy()
+    sens = math.sqrt(_brute_force_sens_sq(C, cfg.min_separation, cfg.rounds))
+    sigma = calibrate_noise_multiplier(cfg, 3.0)
+    assert _direct(dp_accounting.GaussianDpEvent(sigma / sens), "pld") <= 3.0
+    assert _direct(dp_accounting.GaussianDpEvent((sigma - 1e-6) / sens), "pld") > 3.0

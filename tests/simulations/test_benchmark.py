@@ -69,10 +69,21 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     for row in results["scaling"]["rows"]:
         assert row["overhead_ms_per_user"] == pytest.approx(1e3 * (row["round_seconds"] - row["plain_seconds"]) / row["cohort"])
     noise = results["noise"]
-    assert noise["buffer_bytes"] == (noise["bands"] - 1) * noise["dim"] * 4
-    assert noise["ratio"] == pytest.approx(noise["bandmf_step_seconds"] / noise["gaussian_seconds"])
+    rows = {row["name"]: row for row in noise["mechanisms"]}
+    b, d, T, k = noise["bands"], noise["dim"], noise["horizon"], noise["participations"]
+    assert list(rows) == ["independent", f"BandMF b = {b}", "BLT 2 buffers", "BLT 3 buffers"]
+    assert rows[f"BandMF b = {b}"]["buffer_bytes"] == (b - 1) * d * 4 and rows["independent"]["buffer_bytes"] == 0
+    assert rows["BLT 3 buffers"]["buffer_bytes"] == 3 * d * 4
+    independent = rows["independent"]
+    assert independent["error_min_sep"] == pytest.approx(k * (T + 1) / 2) and k == -(-T // b)  # C = I: k·‖A‖²/T
+    assert independent["error_one"] == pytest.approx((T + 1) / 2)
+    for row in rows.values():
+        assert row["ratio"] == pytest.approx(row["step_seconds"] / noise["gaussian_seconds"])
+        assert row["error_min_sep_vs_bandmf"] == pytest.approx(row["error_min_sep"] / rows[f"BandMF b = {b}"]["error_min_sep"])
+        assert row["error_min_sep"] <= independent["error_min_sep"] and row["error_one"] <= independent["error_one"]
     secure = results["secure-noise"]["rows"][0]
     assert secure["device"] == "cpu" and secure["throughput_ratio"] == pytest.approx(
         secure["torch_seconds"] / secure["secure_seconds"])
     accounting = results["accounting"]
-    assert accounting["epsilon"] > 0 and accounting["calibrated_sigma"] > 0
+    assert accounting["epsilon"] == accounting["schedule_pld_last"] > 0  # T is an exact round of the schedule
+    assert accounting["calibrated_sigma_pld"] <= accounting["calibrated_sigma_rdp"]  # PLD is tighter

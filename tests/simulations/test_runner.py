@@ -173,6 +173,21 @@ def test_adaptive_clipping_runs_through_the_runner(tmp_path):
     assert rows[0]["epsilon"] == pytest.approx(epsilon(_privacy(_tiny())))
 
 
+def test_blt_noise_runs_through_the_runner_with_calibration(tmp_path, monkeypatch):
+    """fed-dp simulate with privacy.noise = "blt": σ calibrated for the target, ε of every round from the BLT's
+    event, the strategy optimized once and cached."""
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path / "cache"))
+    extra = ['privacy.noise="blt"', "privacy.buffers=2", 'privacy.sampler="min-sep"', "privacy.target-epsilon=4.0",
+             "privacy.rounds=5"]
+    rows = run_experiment(_tiny(extra), tmp_path / "out", progress=False, log=lambda *_: None)
+    privacy = _privacy(_tiny(extra))
+    assert privacy.noise == "blt" and privacy.noise_multiplier is not None
+    records = read_results(tmp_path / "out")["dp-adambc"]
+    assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in range(1, 6)]  # ≤ 10 rounds: all exact
+    assert rows[0]["epsilon"] == pytest.approx(epsilon(privacy)) and epsilon(privacy) <= 4.0
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blt-T5-k2-m4-prefix-sum.json"]
+
+
 DATA_CONFIGS = [n for n in _builtin_configs() if load_config(n)["task"]["ref"] in
                 ("snli", "qnli", "ptb", "e2e", "femnist", "shakespeare", "stackoverflow", "flair")]
 

@@ -1,0 +1,19 @@
+"""Test-wide setup: strategies optimized by the tests go to a temporary folder, never to ~/.cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _strategy_cache_in_a_temporary_folder(tmp_path_factory):
+    """$FED_DP_CACHE_DIR for the whole session (tests that need their own folder set it themselves)."""
+    before = os.environ.get("FED_DP_CACHE_DIR")
+    os.environ["FED_DP_CACHE_DIR"] = str(tmp_path_factory.mktemp("strategies"))
+    yield
+    if before is None:
+        os.environ.pop("FED_DP_CACHE_DIR", None)
+    else:
+        os.environ["FED_DP_CACHE_DIR"] = before

@@ -1,0 +1,272 @@
+"""Tests of fed_dp.blt: BLT strategies, their sensitivity under min-separation, error and optimization.
+
+Expectations are computed independently here in numpy: dense matrices built by explicit loops, dense
+inverses, and a brute-force maximum over every participation pattern (and over vector contributions) for
+the sensitivity. Never with the functions under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fed_dp import blt as blt_module
+from fed_dp.blt import BLTStrategy, blt_coefs, blt_error, blt_loss, initial_blt, optimize_blt
+from fed_dp.factorization import optimize_toeplitz, prefix_sum_workload, strategy_loss
+
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------------------------------------
+# Independent references
+# ------------------------------------------------------------------------------------------------
+
+
+def ref_coefs(theta, omega, rounds):
+    """c_0 = 1, c_t = Σ_j θ_j ω_j^(t−1), by explicit loops."""
+    return np.array([1.0] + [sum(th * om ** (t - 1) for th, om in zip(theta, omega)) for t in range(1, rounds)])
+
+
+def ref_dense(theta, omega, rounds, normalized=True):
+    """C̃[t, j] = c_{t−j} (j ≤ t), divided by its largest column norm when ``normalized``."""
+    c = ref_coefs(theta, omega, rounds)
+    C = np.zeros((rounds, rounds))
+    for t in range(rounds):
+        for j in range(t + 1):
+            C[t, j] = c[t - j]
+    return C / np.linalg.norm(C, axis=0).max() if normalized else C
+
+
+def ref_workload(rounds, momentum=0.0):
+    A = np.zeros((rounds, rounds))
+    for t in range(rounds):
+        for j in range(t + 1):
+            A[t, j] = sum(momentum**k for k in range(t - j + 1))
+    return A
+
+
+def patterns(rounds, separation):
+    """Every non-empty subset of range(rounds) with consecutive gaps ≥ separation."""
+    out = []
+    for size in range(1, rounds + 1):
+        for p in itertools.combinations(range(rounds), size):
+            if all(b - a >= separation for a, b in zip(p, p[1:])):
+                out.append(p)
+        if not any(len(p) == size for p in out):
+            break
+    return out
+
+
+def brute_force_sens_sq(C, separation, rows=None):
+    """max over valid patterns P of ‖Σ_{i∈P} C[:rows, i]‖² (columns beyond ``rows`` cannot participate)."""
+    rows = C.shape[0] if rows is None else rows
+    return max(float(np.sum(C[:rows, list(p)].sum(axis=1) ** 2)) for p in patterns(rows, separation))
+
+
+STRATEGIES = [
+    BLTStrategy((0.3, 0.2), (0.9, 0.5), 13),
+    BLTStrategy((0.45,), (0.97,), 12),
+    BLTStrategy((0.05, 0.25, 0.7), (0.2, 0.6, 0.995), 11),  # Σθ = 1: c_1 = c_0, the boundary case
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# The matrix
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dense_is_toeplitz_lower_triangular_with_largest_column_norm_one(strategy):
+    C = strategy.dense().numpy()
+    T = strategy.rounds
+    np.testing.assert_allclose(C, ref_dense(strategy.theta, strategy.omega, T), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(blt_coefs(strategy.theta, strategy.omega, T),
+                               ref_coefs(strategy.theta, strategy.omega, T), rtol=1e-13)
+    norms = np.linalg.norm(C, axis=0)
+    assert norms[0] == pytest.approx(1.0, abs=1e-13) and norms.max() == pytest.approx(1.0, abs=1e-13)
+    assert np.all(np.diff(norms) <= 1e-15)  # later columns are truncations of column 0
+    c = C[:, 0]
+    assert np.all(c > 0) and np.all(np.diff(c) <= 1e-15)  # positive, nonincreasing
+    assert strategy.scale == pytest.approx(np.linalg.norm(ref_coefs(strategy.theta, strategy.omega, T)), rel=1e-13)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_inverse_coefficients_and_row_norms_match_the_dense_inverse(strategy):
+    C = ref_dense(strategy.theta, strategy.omega, strategy.rounds)
+    inverse = np.linalg.inv(C)
+    np.testing.assert_allclose(strategy.inverse_coefs(), inverse[:, 0] / strategy.scale, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(strategy.inverse_row_sq_norms().numpy(), np.sum(inverse**2, axis=1), rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sensitivity: the privacy-critical formula, against brute force
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("separation", [1, 2, 3, 5, 20])
+def test_sensitivity_equals_brute_force_over_patterns_after_every_round(strategy, separation):
+    C = ref_dense(strategy.theta, strategy.omega, strategy.rounds)
+    got = strategy.sensitivity_squared(separation)
+    assert got.shape == (strategy.rounds,)
+    for t in range(1, strategy.rounds + 1):
+        # The release after t rounds is rows < t; a participation at round ≥ t has not happened yet.
+        assert got[t - 1] == pytest.approx(brute_force_sens_sq(C, separation, rows=t), rel=1e-12), (separation, t)
+    assert got[0] == pytest.approx(1 / strategy.scale**2, rel=1e-12)  # round 1 releases row 0 only: (c_0/n_0)²
+    assert got[-1] >= 1 - 1e-12  # column 0 alone has norm 1 over all T rows
+    assert np.all(np.diff(got) >= 0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[:2])
+def test_vector_contributions_never_exceed_the_scalar_bound_and_attain_it(strategy):
+    """‖Σ_{i∈P} C[:, i] u_iᵀ‖_F² over unit u_i: ≤ sens² for every pattern (X = CᵀC ≥ 0), = for equal u_i."""
+    separation = 3
+    C = ref_dense(strategy.theta, strategy.omega, strategy.rounds)
+    bound = strategy.sensitivity_squared(separation)[-1]
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for p in patterns(strategy.rounds, separation):
+        for _ in range(3):
+            u = rng.standard_normal((len(p), 5))
+            u /= np.linalg.norm(u, axis=1, keepdims=True)
+            worst = max(worst, float(np.sum((C[:, list(p)] @ u) ** 2)))
+            assert np.sum((C[:, list(p)] @ u) ** 2) <= bound * (1 + 1e-12)
+    earliest = list(range(0, strategy.rounds, separation))
+    equal = np.ones((len(earliest), 5)) / math.sqrt(5)
+    assert np.sum((C[:, earliest] @ equal) ** 2) == pytest.approx(bound, rel=1e-12)
+    assert worst < bound  # random directions do not reach it: the bound is the worst case, not typical
+
+
+def test_blt_sensitivity_exceeds_bandmf_shortcut():
+    """Columns m apart overlap for a BLT (it is not banded), so sens² > ⌈T/m⌉, BandMF's value."""
+    strategy = BLTStrategy((0.45,), (0.97,), 12)
+    for separation in (2, 3, 4):
+        k = math.ceil(12 / separation)
+        assert strategy.sensitivity_squared(separation)[-1] > k + 0.1
+
+
+def test_sensitivity_for_large_separation_is_one_participation():
+    strategy = BLTStrategy((0.3, 0.2), (0.9, 0.5), 13)
+    np.testing.assert_allclose(strategy.sensitivity_squared(13), np.cumsum(strategy.dense().numpy()[:, 0] ** 2))
+    assert strategy.sensitivity_squared(50)[-1] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Error objective
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_loss_equals_dense_error_with_brute_force_sensitivity(strategy, momentum):
+    T, separation = strategy.rounds, 3
+    C = ref_dense(strategy.theta, strategy.omega, T)
+    A = ref_workload(T, momentum)
+    expected = brute_force_sens_sq(C, separation) * np.sum((A @ np.linalg.inv(C)) ** 2) / T
+    theta, omega = torch.tensor(strategy.theta, dtype=F64), torch.tensor(strategy.omega, dtype=F64)
+    assert float(blt_loss(theta, omega, T, separation=separation, momentum=momentum)) == pytest.approx(expected, rel=1e-10)
+    assert blt_error(strategy, separation=separation, momentum=momentum) == pytest.approx(expected, rel=1e-10)
+
+
+def test_gradcheck_loss_and_impulse_response():
+    theta = torch.tensor([0.3, 0.15, 0.1], dtype=F64, requires_grad=True)
+    omega = torch.tensor([0.9, 0.5, 0.99], dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda th, om: blt_loss(th, om, 40, separation=6, momentum=0.6), (theta, omega))
+    b = torch.tensor([1.0, -0.3, 0.1], dtype=F64, requires_grad=True)
+    a = torch.tensor([1.0, -0.5, 0.2, 0.05], dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda b, a: blt_module._ImpulseResponse.apply(b, a, 25), (b, a))
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("theta, omega, rounds, match", [
+    ((0.0,), (0.5,), 5, r"theta\[0\]"),
+    ((-0.1, 0.2), (0.5, 0.5), 5, r"theta\[0\]"),
+    ((0.2,), (1.0,), 5, r"omega\[0\]"),
+    ((0.2,), (0.0,), 5, r"omega\[0\]"),
+    ((0.6, 0.5), (0.5, 0.5), 5, r"sum\(theta\)"),
+    ((0.2, 0.1), (0.5,), 5, "equal length"),
+    ((), (), 5, "non-empty"),
+    ((0.2,), (0.5,), 0, "rounds"),
+    ((float("nan"),), (0.5,), 5, r"theta\[0\]"),
+])
+def test_strategy_validation_names_the_field(theta, omega, rounds, match):
+    with pytest.raises(ValueError, match=match):
+        BLTStrategy(theta, omega, rounds)
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimization and the cache
+# ------------------------------------------------------------------------------------------------
+
+
+def test_optimized_blt_beats_its_start_independent_noise_and_short_bandmf(tmp_path):
+    T = 200
+    for separation in (T, 20):
+        k = math.ceil(T / separation)
+        best = optimize_blt(T, 3, separation=separation, cache_dir=tmp_path)
+        error = blt_error(best, separation=separation)
+        theta, omega = initial_blt(T, 3)
+        assert error < blt_error(BLTStrategy(tuple(theta), tuple(omega), T), separation=separation)
+        independent = k * np.sum(ref_workload(T) ** 2) / T  # C = I: sens² = k, ‖A‖_F²/T
+        assert error < independent / 5
+        if separation == T:  # one participation: a BLT approximates the unbanded optimum, 8 bands cannot
+            bandmf = strategy_loss(optimize_toeplitz(T, 8, cache_dir=tmp_path).dense(), prefix_sum_workload(T))
+            assert error < bandmf
+
+
+def test_cache_is_reused_keyed_and_validated(tmp_path, monkeypatch):
+    first = optimize_blt(60, 2, separation=7, cache_dir=tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["blt-T60-k2-m7-prefix-sum.json"]
+    monkeypatch.setattr(blt_module, "_minimize", lambda *a, **k: pytest.fail("re-optimized a cached strategy"))
+    assert optimize_blt(60, 2, separation=7, cache_dir=tmp_path) == first
+    monkeypatch.undo()
+    optimize_blt(60, 2, separation=8, cache_dir=tmp_path)
+    optimize_blt(60, 3, separation=7, cache_dir=tmp_path)
+    optimize_blt(60, 2, separation=7, momentum=0.5, cache_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 4
+    payload = json.loads((tmp_path / "blt-T60-k2-m7-prefix-sum.json").read_text())
+    assert payload["theta"] == list(first.theta) and payload["omega"] == list(first.omega)
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda p: "not json",
+    lambda p: json.dumps({**p, "rounds": 61}),
+    lambda p: json.dumps({**p, "theta": p["theta"][:1]}),
+    lambda p: json.dumps({**p, "theta": [0.9, 0.9]}),  # Σθ > 1: not a valid BLT
+    lambda p: json.dumps({**p, "omega": [1.5, 0.5]}),
+    lambda p: json.dumps({k: v for k, v in p.items() if k != "omega"}),
+])
+def test_corrupt_cache_is_an_error_naming_the_file(tmp_path, monkeypatch, corrupt):
+    optimize_blt(60, 2, separation=7, cache_dir=tmp_path)
+    path = tmp_path / "blt-T60-k2-m7-prefix-sum.json"
+    path.write_text(corrupt(json.loads(path.read_text())))
+    monkeypatch.setattr(blt_module, "_minimize", lambda *a, **k: pytest.fail("silently re-optimized"))
+    with pytest.raises(ValueError, match="blt-T60-k2-m7-prefix-sum.json"):
+        optimize_blt(60, 2, separation=7, cache_dir=tmp_path)
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path / "env"))
+    optimize_blt(30, 1, separation=4)
+    assert [p.name for p in (tmp_path / "env").iterdir()] == ["blt-T30-k1-m4-prefix-sum.json"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rounds=0, buffers=2, separation=3), "rounds"),
+    (dict(rounds=10, buffers=0, separation=3), "buffers"),
+    (dict(rounds=10, buffers=2, separation=0), "separation"),
+    (dict(rounds=10, buffers=2, separation=3, momentum=1.0), "momentum"),
+])
+def test_optimize_blt_rejects_bad_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        optimize_blt(cache_dir=tmp_path, **kwargs)
