@@ -187,7 +187,11 @@ def _workload_denominator(numerator: torch.Tensor, momentum: float) -> torch.Ten
 
 
 def _comb_sums(coefs: torch.Tensor, separation: int) -> torch.Tensor:
-    """V_s = Σ_{i≥0, im≤s} c_{s−im} for s < T (V_s = c_s + V_{s−m}): blocks of m, cumulated. O(T)."""
+    """V_s = Σ_{i≥0, im≤s} c_{s−im} for s < T (V_s = c_s + V_{s−m}): blocks of m, cumulated. O(T).
+
+    Σ_s V_s² is the sensitivity² only because c is nonnegative and nonincreasing (θ > 0, 0 < ω < 1, Σθ ≤ 1,
+    enforced by ``_check_parameters``): then the earliest participation pattern is the worst (module
+    docstring). A parameterization that allows other c must replace this with a maximum over patterns."""
     rounds = len(coefs)
     blocks = -(-rounds // separation)
     padded = torch.cat([coefs, coefs.new_zeros(blocks * separation - rounds)])
