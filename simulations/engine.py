@@ -11,6 +11,9 @@ call instead of messages. This process acts as one node hosting every user: ``fe
 CPU — and replies with the sum of their clipped updates and their count. Noise, the fixed denominator, the
 optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is re-implemented here.
 
+Under ``torchrun`` (an initialized ``torch.distributed`` group of several processes) rank 0 runs the loop and
+every rank trains a share of each cohort (``fed_dp.simulations.distributed``).
+
 Users train on ``device``; the server round stays on the CPU, and only θ_{t−1} (and s_t) go to the device and
 Σu (and Σu²) come back, one d-vector each per round. In-memory users are moved to the device once per run.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -37,6 +41,7 @@ from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.round import Contribution, RoundPlan, ServerState, init_server
 from fed_dp.server.round_loop import RoundReplies, run_rounds
+from fed_dp.simulations.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
 
@@ -54,7 +59,7 @@ class TrainResult:
     privacy: PrivacyConfig
     records: list[dict[str, Any]]
     stopped: str | None
-    state: ServerState
+    state: ServerState | None  # None on the ranks other than 0 of a distributed run (the noise state stays on 0)
 
 
 def _on_cpu(contribution: Contribution) -> Contribution:
@@ -120,18 +125,26 @@ def train(
         raise ValueError(f"local must be a fed_dp LocalTraining, got {type(local).__name__}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
+    workers = current_workers()  # under torchrun: rank 0 runs the loop, every rank trains a share of the cohort
     with simulation():
         if isinstance(optimizer, str):
             optimizer = make_optimizer(optimizer)
-        privacy = resolve_privacy(privacy, task.num_users)
         run_seed = seed if seed is not None else entropy_seed()
+        if workers is not None:
+            run_seed = share_seed(workers, run_seed)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
         model, layout, params = initial_model(task, run_seed)
         trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size)
+        if workers is not None and not workers.leader:
+            served = serve_rounds(workers, trainer, params, client_seed)
+            return _worker_result(workers, model, layout, served)
+        privacy = resolve_privacy(privacy, task.num_users)
         state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
                             noise_source=noise_source)
 
         def exchange(plan: RoundPlan) -> RoundReplies:
+            if workers is not None:
+                return exchange_round(workers, trainer, plan, client_seed)
             result, metrics, path = trainer.contribution(
                 round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
                 scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
@@ -146,10 +159,38 @@ def train(
         try:
             loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
                               max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase)
+        except BaseException:
+            if workers is not None:  # between rounds: the workers wait for a header, then for the result
+                stop_workers(workers)
+                dist.broadcast_object_list([None], src=0)
+            raise
         finally:
             if bar is not None:
                 bar.close()
+    if workers is not None:
+        stop_workers(workers)
     load_params(model, layout, loop.state.params)
     final = loop.records[-1] if loop.records else {}
-    return TrainResult(model=model, params=loop.state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
-                       privacy=privacy, records=loop.records, stopped=loop.stopped, state=loop.state)
+    result = TrainResult(model=model, params=loop.state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
+                         privacy=privacy, records=loop.records, stopped=loop.stopped, state=loop.state)
+    if workers is not None:
+        dist.broadcast_object_list([_public(result)], src=0)
+    return result
+
+
+def _public(result: TrainResult) -> dict[str, Any]:
+    """What rank 0 shares with the other ranks at the end: the released model and records, never the server
+    state (noise seed and generator state stay on rank 0)."""
+    return {"params": result.params, "epsilon": result.epsilon, "delta": result.delta, "privacy": result.privacy,
+            "records": result.records, "stopped": result.stopped}
+
+
+def _worker_result(workers: Workers, model: nn.Module, layout: Any, served: int) -> TrainResult:
+    """A worker's TrainResult: rank 0's released model and records (``state`` is None: it stays on rank 0)."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    if shared is None:  # rank 0 failed before the end: its own exception says why
+        raise RuntimeError(f"rank {workers.rank}: rank 0 stopped the run after {served} round(s); see its error")
+    load_params(model, layout, shared["params"])
+    return TrainResult(model=model, state=None, **shared)

@@ -1,0 +1,77 @@
+"""A simulation spread over 2 processes (torchrun, gloo on the CPU) equals the same simulation in one process:
+the same cohorts, the same noise and ε (rank 0 owns sampler, noise, optimizer and ledger), and the same model up
+to the order of the float32 additions of Σu. A rank that fails to train stops the run with an error naming the failure (torchrun then ends every rank)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_run import run
+
+from fed_dp.simulations.distributed import current_workers
+
+SCRIPT = Path(__file__).with_name("distributed_run.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out: Path, *args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 script --out out args`` (gloo: the script initializes the group)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(script), "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(script.parent)])}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("optimizer", ["dp-adam-ime", "dp-adam-stp"])  # Σu² sent; s_t broadcast
+def test_two_gloo_workers_train_the_same_run_as_one_process(tmp_path, optimizer):
+    done = torchrun(tmp_path / "result.pt", "--optimizer", optimizer)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    leader, worker = (torch.load(tmp_path / f"result.pt.{rank}", weights_only=False) for rank in (0, 1))
+    alone = run(optimizer=optimizer)
+
+    assert [r["epsilon"] for r in leader["records"]] == [r["epsilon"] for r in alone.records]
+    assert [r["nonprivate_cohort_size"] for r in leader["records"]] == [
+        r["nonprivate_cohort_size"] for r in alone.records]
+    assert sum(r["nonprivate_cohort_size"] for r in alone.records) > 0
+    for mine, theirs in zip(leader["records"], alone.records, strict=True):
+        assert mine["nonprivate_train_loss"] == pytest.approx(theirs["nonprivate_train_loss"], rel=1e-6, nan_ok=True)
+    torch.testing.assert_close(leader["params"], alone.params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(worker["params"], leader["params"], rtol=0, atol=0)  # rank 0's model, shared
+    assert leader["state"] and not worker["state"]  # the noise state never leaves rank 0
+
+
+def test_a_rank_that_cannot_train_stops_the_run(tmp_path):
+    done = torchrun(tmp_path / "result.pt", "--poisoned-user", "5")
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "1 of the 2 ranks failed to train their users in round 1" in output, output[-4000:]
+    assert "rank 1: training users [1, 3, 5, 7, 9]... failed in round 1" in output  # its traceback, in its log
+    assert not list(tmp_path.glob("result.pt.*"))  # nothing saved by either rank
+    with pytest.raises(ValueError, match="user"):  # the same run in one process fails on the same user
+        run(poisoned_user=5)
+
+
+def test_the_example_runs_under_torchrun(tmp_path):
+    done = torchrun(tmp_path / "digits.pt", "--users", "20", "--rounds", "2",
+                    script=REPO / "examples" / "distributed_simulation.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 processes: user-level epsilon 3.000" in done.stdout
+    saved = torch.load(tmp_path / "digits.pt", weights_only=False)
+    assert len(saved["records"]) == 2 and saved["records"][-1]["epsilon"] <= 3.0
+
+
+def test_one_process_is_not_distributed():
+    assert current_workers() is None
