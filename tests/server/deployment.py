@@ -301,9 +301,10 @@ class Deployment:
 
     # --- runs ----------------------------------------------------------------------------------------------
 
-    def submit(self, run_config: dict[str, Any], *, fed_dp: bool = False) -> Process:
-        """Start ``flwr run . <federation> --stream --run-config ...`` from the repository root; ``fed_dp``:
-        ``fed-dp submit <federation> --run-config ...`` instead (its exit status says whether the run completed)."""
+    def submit(self, run_config: dict[str, Any], *, fed_dp: bool = False, app: Path = REPO) -> Process:
+        """Start ``flwr run . <federation> --stream --run-config ...`` in ``app`` (default: the repository root, the
+        project's app); ``fed_dp``: ``fed-dp submit <federation> --run-config ...`` instead (its exit status says
+        whether the run completed)."""
         overrides = format_run_config(run_config)
         command = (["fed-dp", "submit", self.federation, "--run-config", overrides] if fed_dp else
                    ["flwr", "run", ".", self.federation, "--stream", "--run-config", overrides])
@@ -311,7 +312,7 @@ class Deployment:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as out:
             popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, env=self._env(self._cli_home), start_new_session=True)
+                                     cwd=app, env=self._env(self._cli_home), start_new_session=True)
         self.runs.append(Process("flwr-run", popen, log))
         return self.runs[-1]
 

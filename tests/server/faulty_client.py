@@ -1,7 +1,10 @@
-"""ClientApps for tests under Flower's simulation engine (imported by Ray's workers from this folder).
+"""ClientApps for tests under Flower's simulation engine (imported by Ray's workers from this folder) and on
+real SuperNodes.
 
 ``app`` wraps the project's honest ClientApp and corrupts its replies, by partition id: 0 → update scaled to
-norm 10⁶, 1 → a NaN in the update, 2 → an update of the wrong shape; others honest. ``no_query_app`` is a
+norm 10⁶, 1 → a NaN in the update, 2 → an update of the wrong shape; others honest. A node config entry
+``fault`` ("huge", "nan", "shape") chooses instead: test_faults.py ships this file as the ClientApp of a Flower
+app of its own to real SuperNodes. ``no_query_app`` is a
 ClientApp written as for Flower's own strategies: it trains but has no ``@app.query()`` handler.
 """
 
@@ -29,7 +32,7 @@ def train(msg: Message, context: Context) -> Message:
     reply = honest_train(msg, context)
     arrays = reply.content[protocol.UPDATE].to_torch_state_dict()
     total = arrays["total"]
-    fault = FAULTS.get(int(context.node_config["partition-id"]))
+    fault = context.node_config.get("fault") or FAULTS.get(int(context.node_config.get("partition-id", -1)))
     if fault == "huge":
         arrays["total"] = torch.ones_like(total) * 1e6 / total.numel() ** 0.5
     elif fault == "nan":

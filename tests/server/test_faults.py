@@ -8,15 +8,19 @@ Faults and what must hold:
                                          at most server.max-empty-rounds released rounds; the ledger is intact
     the SuperLink killed and restarted   with its database the nodes reconnect; the run submitted again resumes
                                          from the checkpoint: ledger, ε and final model of an uninterrupted run
+    nodes that reply with an oversized   the oversized update is re-clipped and counted; the NaN and the misshaped
+    update, a NaN, a wrong shape         ones are refused, their users dropped, each named in the operator's
+                                         diagnostics; the run completes with the ledger of an uninterrupted run
 
-Malformed, NaN and oversized replies are covered with Flower's simulation engine (test_bad_replies.py) and,
-through the Strategy, in test_flower_strategy.py. The two tests not marked ``faults`` run in CI; the rest (a few
-minutes each on 2 cores) with ``pytest -m faults tests/server/test_faults.py``.
+The same replies are also covered with Flower's simulation engine (test_bad_replies.py) and, through the
+Strategy, in test_flower_strategy.py. The two tests not marked ``faults`` run in CI; the rest (a few minutes
+each on 2 cores) with ``pytest -m faults tests/server/test_faults.py``.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -24,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from deployment import (REQUIRES_TOOLS, Deployment, Process, assert_completed, assert_ledger_is_uninterrupted,
+from deployment import (REPO, REQUIRES_TOOLS, USERS, Deployment, Process, assert_completed, assert_ledger_is_uninterrupted,
                         expected_privacy, logged_rounds, read_results, run_config, start_nodes, uninterrupted_cohorts)
 
 from fed_dp.accounting import epsilon
@@ -181,3 +185,44 @@ def test_a_superlink_restart_resumes_from_the_checkpoint_like_an_uninterrupted_r
     engine = train(build_task(run.task), config, run.optimizer.build(), run.local, seed=run.run.seed, device="cpu")
     torch.testing.assert_close(load_checkpoint(checkpoint_dir)["state"]["params"], engine.params, rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.faults
+def test_oversized_nan_and_misshaped_replies_from_real_supernodes(tmp_path, new_deployment):
+    """A Flower app of its own whose ClientApp (faulty_client.py) corrupts the replies of the node config's
+    ``fault``: users 0-13 send an update of norm 10⁶, users 14-26 a NaN, users 27-39 a vector of the wrong
+    shape. The first is re-clipped and counted; the others are refused and their users dropped, with the
+    reason in the operator's diagnostics; sampling, ledger and ε are those of an uninterrupted run."""
+    app = tmp_path / "faulty-app"
+    app.mkdir()
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for old, new in (('clientapp = "fed_dp.clients.app:app"', 'clientapp = "faulty_client:app"'),
+                     ('fab-include = ["README.md"]', 'fab-include = ["README.md", "faulty_client.py"]')):
+        assert old in pyproject, old
+        pyproject = pyproject.replace(old, new)
+    (app / "pyproject.toml").write_text(pyproject)
+    shutil.copy(Path(__file__).with_name("faulty_client.py"), app)
+    (app / "README.md").write_text("fed-dp's ServerApp with a ClientApp that corrupts its replies (test_faults.py)\n")
+    d = new_deployment()
+    d.start_superlink()
+    d.wait_for_nodes([d.start_supernode({"users": users, "fault": fault})
+                      for users, fault in zip(USERS, ("huge", "nan", "shape"), strict=True)])
+    checkpoint_dir = tmp_path / "checkpoints"
+    overrides = run_config(checkpoint_dir, rounds=3, **{"server.max-empty-rounds": 3})
+    config, cohorts = expected_privacy(overrides), uninterrupted_cohorts(overrides)
+
+    result = d.finish(d.submit(overrides, app=app), timeout=300)
+
+    assert_completed(result, d)
+    assert_ledger_is_uninterrupted(read_results(checkpoint_dir), config, checkpoint_dir)
+    counts = read_diagnostics(checkpoint_dir)
+    assert_same_sampling(counts, cohorts)
+    for record, cohort in zip(counts, cohorts, strict=True):
+        huge = len(cohort & set(range(14)))
+        assert record["replied_users"] == huge and record["reclipped_replies"] == (1 if huge else 0), record
+        dropped = " | ".join(record["dropped"])
+        if cohort & set(range(14, 27)):
+            assert "node 'users 14-26'" in dropped and "contains NaN or Inf" in dropped, dropped
+        if cohort & set(range(27, 40)):
+            assert "node 'users 27-39'" in dropped and "has shape" in dropped, dropped
+    assert sum(len(c & set(range(14, 40))) for c in cohorts) > 0, "no corrupted node was ever asked"
