@@ -13,7 +13,8 @@
 #                             format (`flower-supernode --auth-supernode-private-key node<i>`,
 #                             `flwr supernode register node<i>.pub <federation>`)
 #
-# Idempotent: existing files are kept, so a second run only adds what is missing (e.g. more node keys).
+# Idempotent: existing files are kept, so a second run only adds what is missing (e.g. more node keys), except
+# that server.pem is issued again when $SUPERLINK_SAN asks for other names than it has.
 # Delete DIR to start afresh. Needs openssl and, for node keys, ssh-keygen. $CERT_DAYS: validity (365).
 set -euo pipefail
 
@@ -63,13 +64,16 @@ if [[ ! -s ca.key || ! -s ca.crt ]]; then
     rm -f server.pem # a new CA invalidates the old server certificate
 fi
 
-if [[ ! -s server.key || ! -s server.pem ]]; then
+# The server certificate is issued again (same key) when $SUPERLINK_SAN asks for names it lacks (a second run
+# with $SUPERLINK_SAN); server.san records the names of server.pem. Without $SUPERLINK_SAN it is kept as it is.
+if [[ ! -s server.key || ! -s server.pem || ( -n "${SUPERLINK_SAN:-}" && "$(cat server.san 2>/dev/null)" != "$san" ) ]]; then
     [[ -s server.key ]] || new_key server.key
     openssl req -new -key server.key -config "$cnf" -out server.csr
     openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days "$days" -sha384 \
         -extfile "$cnf" -extensions server -out server.pem 2>/dev/null
+    echo "$san" >server.san
 fi
-chmod 644 ca.crt server.pem
+chmod 644 ca.crt server.pem server.san
 
 for ((i = 0; i < nodes; i++)); do
     if [[ ! -s node$i || ! -s node$i.pub ]]; then
@@ -80,4 +84,4 @@ for ((i = 0; i < nodes; i++)); do
 done
 
 openssl verify -x509_strict -CAfile ca.crt server.pem >/dev/null
-echo "$(pwd): ca.crt, server.pem (subjectAltName $san), server.key; node keys: $nodes"
+echo "$(pwd): ca.crt, server.pem (subjectAltName $(cat server.san 2>/dev/null || echo "as issued earlier")), server.key; node keys: $nodes"

@@ -2,12 +2,13 @@
 
 A node may host one user or many (a data silo). It is known by a **stable name** — its node config's ``name``,
 else its user ranges ("users 0-13") — not by the node id Flower gives it, which changes when a SuperNode
-restarts. Before every round :meth:`Membership.refresh` asks the SuperLink which node ids are connected (one
+without an authentication key restarts. Before every round :meth:`Membership.refresh` asks the SuperLink which node ids are connected (one
 cheap call, ``grid.get_node_ids()``, which lists only nodes whose heartbeat is current) and sends the user query
 only to ids it has not seen before:
 
     a known id is missing        → its node is down: logged once, naming it; its users count as dropped
-    a new id answers with a name
+    a new id (or an id that had gone: with SuperNode authentication a restarted node keeps its id) answers
+        with a name
         that is known            → the node is back (restarted): logged once; its users are served again
         that is new              → a node joined; its users must not overlap another node's
     a new id does not answer     → asked again at the next refresh
@@ -128,6 +129,10 @@ class Membership:
                 log.warning("node '%s' (node id %d) left: its %d user(s) count as dropped when sampled, until it "
                             "returns", node.name, node.node_id, len(node.users))
                 node.node_id = None
+        # An id that went away is asked again if it returns: with SuperNode authentication a restarted node keeps
+        # its id, and what it hosts may have changed.
+        self._seen &= online
+        self._silent &= online
         new = sorted(online - self._seen)
         if new:
             self._ask(grid, new, at_start=False)

@@ -226,3 +226,48 @@ def test_oversized_nan_and_misshaped_replies_from_real_supernodes(tmp_path, new_
         if cohort & set(range(27, 40)):
             assert "node 'users 27-39'" in dropped and "has shape" in dropped, dropped
     assert sum(len(c & set(range(14, 40))) for c in cohorts) > 0, "no corrupted node was ever asked"
+
+
+@pytest.mark.faults
+def test_an_authenticated_node_restarted_under_its_old_id_is_served_again(tmp_path, new_deployment, certificates):
+    """--enable-supernode-auth: a SuperNode's id belongs to its key, so a killed node comes back under the same
+    id, once the SuperLink has marked the old instance offline (until then it refuses to activate it). After the
+    ServerApp has logged its departure, it must ask that id again, log the return once, and serve its users."""
+    d = new_deployment(auth=True)
+    d.start_superlink()
+    for i in range(len(USERS)):
+        registered = d.register(certificates / f"node{i}.pub")
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+    node_ids = d.wait_for_nodes([d.start_supernode({"users": users}, private_key=certificates / f"node{i}")
+                                 for i, users in enumerate(USERS)])
+    victim_id, victim = last_node(node_ids)
+    checkpoint_dir = tmp_path / "checkpoints"
+    overrides = run_config(checkpoint_dir, rounds=6, **{"server.min-nodes": 2})
+    config, cohorts = expected_privacy(overrides), uninterrupted_cohorts(overrides)
+
+    submitted = d.submit(overrides)
+    wait_for_round(d, submitted, checkpoint_dir, 1)
+    victim.stop(signal.SIGKILL)
+    # Once the SuperLink stops listing it (heartbeats expired) the ServerApp notices before a round; restarted
+    # earlier, the node would be refused, or come back between two rounds unnoticed (then nothing is logged).
+    submitted.wait_for_output(r"node 'users 27-39' \(node id \d+\) left", timeout=180)
+    deadline = time.monotonic() + 180
+    while True:  # refused ("Failed to activate") while the SuperLink still lists the killed instance
+        restarted = d.start_supernode({"users": "27-39"}, private_key=certificates / f"node{len(USERS) - 1}")
+        try:
+            (new_id,) = d.wait_for_nodes([restarted], timeout=30)
+            break
+        except (RuntimeError, TimeoutError):
+            restarted.stop()
+            assert time.monotonic() < deadline, f"the SuperNode could not come back\n{d.diagnostics()}"
+            time.sleep(5)
+    result = d.finish(submitted, timeout=400)
+
+    assert new_id == victim_id
+    assert_completed(result, d)
+    assert_ledger_is_uninterrupted(read_results(checkpoint_dir), config, checkpoint_dir)
+    back = re.findall(r"node 'users 27-39' is back as node id (\d+) \(it had left\)", result.output)
+    assert back == [str(victim_id)], result.output[-4000:]
+    counts = read_diagnostics(checkpoint_dir)
+    assert_same_sampling(counts, cohorts)
+    assert counts[-1]["replied_users"] == counts[-1]["cohort_size"], counts[-1]  # served again by the end

@@ -84,17 +84,19 @@ def test_format_users_inverts_parse_users():
     assert format_users([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
-def test_a_node_that_leaves_and_returns_under_a_new_id_is_served_again(tmp_path, server_log):
-    """Node 101 (users 20-39) leaves after round 1 and returns as node 102 after round 2: in round 2 its sampled
-    users are dropped (the denominator stays B); from round 3 on they are asked and counted again. The departure
-    and the return are logged once each, naming the node; the sampling and ε are those of an uninterrupted run."""
+@pytest.mark.parametrize("returning_id", [102, 101])  # a new id; the same id (SuperNode authentication)
+def test_a_node_that_leaves_and_returns_is_served_again(tmp_path, server_log, returning_id):
+    """Node 101 (users 20-39) leaves after round 1 and returns after round 2, as node 102 or, as a SuperNode with
+    an authentication key does, as node 101 again: in round 2 its sampled users are dropped (the denominator
+    stays B); from round 3 on they are asked and counted again. The departure and the return are logged once
+    each, naming the node; the sampling and ε are those of an uninterrupted run."""
     grid = InProcessGrid({100: node(FIRST), 101: node(SECOND)})
 
     def churn(record):
         if record["round"] == 0:
             del grid.nodes[101]
         elif record["round"] == 1:
-            grid.nodes[102] = node(SECOND)
+            grid.nodes[returning_id] = node(SECOND)
 
     _, result = start(grid, tmp_path, seed=11, on_round=churn)
     drawn = cohorts(PRIVACY, 11)
@@ -107,15 +109,15 @@ def test_a_node_that_leaves_and_returns_under_a_new_id_is_served_again(tmp_path,
     for t in (0, 2, 3):
         assert counts[t]["replied_users"] == counts[t]["cohort_size"] and not counts[t]["dropped"], counts[t]
     trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
-    assert {m.metadata.dst_node_id for m in trains if m.content["fed-dp.round"]["round"] >= 2} <= {100, 102}
-    assert 102 in {m.metadata.dst_node_id for m in trains}
+    assert {m.metadata.dst_node_id for m in trains if m.content["fed-dp.round"]["round"] >= 2} <= {100, returning_id}
+    assert returning_id in {m.metadata.dst_node_id for m in trains if m.content["fed-dp.round"]["round"] >= 2}
     queries = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == MessageType.QUERY]
-    assert sorted(queries) == [100, 101, 102]  # each id asked once; known ids are not asked again
+    assert sorted(queries) == sorted([100, 101, returning_id])  # asked on arrival and on return, not every round
     left = [m for m in server_log if " left:" in m]
     back = [m for m in server_log if "is back" in m]
     assert left == ["node 'users 20-39' (node id 101) left: its 20 user(s) count as dropped when sampled, until it "
                     "returns"]
-    assert len(back) == 1 and back[0].startswith("node 'users 20-39' is back as node id 102 (it had left)")
+    assert len(back) == 1 and back[0].startswith(f"node 'users 20-39' is back as node id {returning_id} (it had left)")
 
 
 def test_a_restarted_node_replaces_its_old_id_before_that_one_times_out(tmp_path, server_log):
