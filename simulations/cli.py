@@ -7,7 +7,7 @@
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
 
 ``fed-dp simulate`` with no arguments runs the built-in default, the main job (``configs/main-job.toml``):
-DP-FedAvg, DP-SGDM, DP-Adam, DP-AdamBC and scale-then-privatize on 10,240 users of a heavy-tailed synthetic
+DP-FedAvg, DP-SGDM, DP-Adam, DP-AdamBC and scale-then-privatize on 14,336 users of a heavy-tailed synthetic
 task at user-level ε = 4.
 """
 
