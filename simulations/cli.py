@@ -6,6 +6,9 @@
     fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR]
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
 
+Under ``torchrun`` (``torchrun --nproc_per_node 2 $(which fed-dp) simulate ...``) ``simulate`` and ``compare``
+spread every round's cohort over the processes (``fed_dp.simulations.distributed``); rank 0 reports and writes.
+
 ``fed-dp simulate`` with no arguments runs the built-in default, the main job (``configs/main-job.toml``):
 DP-FedAvg, DP-SGDM, DP-Adam, DP-AdamBC and scale-then-privatize on 14,336 users of a heavy-tailed synthetic
 task at user-level ε = 4.
@@ -39,13 +42,35 @@ def _run_simulation(args: argparse.Namespace) -> None:
     if getattr(args, "optimizers", None):
         config.setdefault("run", {})["optimizers"] = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
-    rows = run_experiment(config, out, progress=not args.quiet, log=print if not args.quiet else (lambda *_: None))
+    workers = _join_torchrun(config)
+    leader = workers is None or workers.leader  # under torchrun only rank 0 reports and writes
+    try:
+        quiet = args.quiet or not leader
+        rows = run_experiment(config, out, progress=not quiet, log=print if not quiet else (lambda *_: None),
+                              write=leader)
+    finally:
+        if workers is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if not leader:
+        return
     print()
     print(format_table(rows))
     print(f"\nresults: {out}/ (config.json, summary.json, rounds-<optimizer>.jsonl)")
     if not args.no_plot:
         figures = plot_all(read_results(out), out)
         print("figures: " + ", ".join(str(f) for f in figures))
+
+
+def _join_torchrun(config: dict):
+    """Under ``torchrun``, this process's place in a new process group (``fed_dp.simulations.distributed``):
+    every rank trains a share of each cohort, rank 0 runs the round loop. None when run as one process."""
+    from fed_dp.clients.training import resolve_device
+    from fed_dp.simulations.distributed import join_from_environment
+    from fed_dp.simulations.runner import parse_experiment
+
+    return join_from_environment(resolve_device(parse_experiment(config).base.client.device))
 
 
 def _simulation_config(args: argparse.Namespace) -> dict:

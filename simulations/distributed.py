@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,19 @@ def current_workers() -> Workers | None:
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     return Workers(dist.get_rank(), dist.get_world_size(), device)
+
+
+def join_from_environment(device: str | torch.device) -> Workers | None:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) and with no process group yet, initialize one —
+    NCCL when users train on CUDA (this process's GPU is ``LOCAL_RANK``), gloo otherwise; address, rank and world
+    size come from torchrun's variables — and return this process's place. None for a one-process run. A group
+    that is already initialized is used as it is (``fed_dp.train`` called from a script of your own)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = torch.device(device).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return current_workers()
 
 
 def share_seed(workers: Workers, seed: int) -> int:
@@ -128,7 +142,8 @@ def exchange_round(workers: Workers, trainer: LocalTrainer, plan: RoundPlan, see
     mean = (lambda x: x / count) if count else (lambda x: math.nan)
     result = Contribution(total.cpu(), count, None if squares is None else squares.cpu(), source="simulation",
                           unclipped=int(unclipped), scaled=plan.scale is not None)
-    return RoundReplies([result], metrics={"vectorized": float(count > 0 and vectorized == n)},
+    return RoundReplies([result], metrics={"vectorized": float(count > 0 and vectorized == n),
+                                           "processes": float(workers.world)},  # the ranks that trained the round
                         nonprivate={"train_loss": mean(loss), "mean_update_norm": mean(norm),
                                     "fraction_clipped": mean(clipped)})
 

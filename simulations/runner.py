@@ -132,24 +132,29 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def run_experiment(
     config: dict[str, Any], out_dir: str | Path, *, progress: bool = True, log=print, task: Task | None = None,
+    write: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every optimizer of the config with the same seeds; write results; return the summary rows.
 
-    ``task``: train this task instead of building the config's ``[task]`` (``fed-dp simulate --task``)."""
+    ``task``: train this task instead of building the config's ``[task]`` (``fed-dp simulate --task``).
+    ``write``: False on the ranks other than 0 of a ``torchrun`` run, which train and return the same rows
+    (rank 0's records) but leave the results folder to rank 0."""
     experiment = parse_experiment(config)
     base = experiment.base
     task = task if task is not None else build_task(base.task)
     privacy = resolve_privacy(base.privacy, task.num_users)  # σ calibrated once, shared by every optimizer
     seed = base.run.seed if base.run.seed is not None else secrets.randbits(62)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
     resolved = {**copy.deepcopy(config), "resolved": {
         "num_users": task.num_users, "noise_multiplier": privacy.noise_multiplier,
         "calibrated_from_target_epsilon": base.privacy.target_epsilon, "task": task.description or task.name,
         "seed": seed, "seed_note": "explicit seed: sampler and noise are reproducible (research run)"
         if base.run.seed is not None else "seed drawn from OS entropy for this run, shared by its optimizers",
     }}
-    (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+    if write:
+        (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     log(f"task: {task.description or task.name}")
     log(f"privacy: N = {task.num_users}, B = {privacy.expected_cohort}, T = {privacy.rounds}, "
         f"sigma = {privacy.noise_multiplier:.4f}, clip = {privacy.clip_norm}, sampler = {privacy.sampler}, "
@@ -180,11 +185,13 @@ def run_experiment(
                            noise_source=run.server.chosen_noise_source or "torch")
         finally:
             bar.close()
-        with (out / f"rounds-{name}.jsonl").open("w") as handle:
-            for record in result.records:
-                handle.write(json.dumps({"optimizer": name, **record}, default=str) + "\n")
+        if write:
+            with (out / f"rounds-{name}.jsonl").open("w") as handle:
+                for record in result.records:
+                    handle.write(json.dumps({"optimizer": name, **record}, default=str) + "\n")
         rows.append(_summary_row(name, result.records, time.perf_counter() - start))
-    (out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
+    if write:
+        (out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     return rows
 
 

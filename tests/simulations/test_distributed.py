@@ -75,3 +75,39 @@ def test_the_example_runs_under_torchrun(tmp_path):
 
 def test_one_process_is_not_distributed():
     assert current_workers() is None
+
+
+def test_fed_dp_simulate_under_torchrun_equals_one_process_and_only_rank_0_reports(tmp_path):
+    """`torchrun --nproc_per_node 2 $(which fed-dp) simulate ...`: the process group comes from torchrun's
+    environment, both ranks train (every record says 2 processes), rank 0 alone prints the table and writes the
+    results folder, and the results equal `fed-dp simulate` in one process."""
+    import json
+
+    from fed_dp.simulations.cli import main
+
+    sets = ["--set", "privacy.rounds=3", "--set", "task.users=64", "--set", "task.largest=32",
+            "--set", "privacy.expected-cohort=16", "--set", "run.optimizers=['dp-sgd','dp-adam-stp']"]
+    fed_dp_command = Path(sys.executable).with_name("fed-dp")  # the console script of this environment
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(fed_dp_command), "simulate", "heavy-tail-quick", *sets,
+               "--out", str(tmp_path / "two"), "--no-plot"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("results: ") == 1 and done.stdout.count("\ndp-sgd ") == 1, done.stdout
+    assert main(["simulate", "heavy-tail-quick", *sets, "--out", str(tmp_path / "one"), "--no-plot", "--quiet"]) == 0
+
+    files = sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
+    for name in ("dp-sgd", "dp-adam-stp"):
+        two, one = ([json.loads(line) for line in (tmp_path / run / f"rounds-{name}.jsonl").read_text().splitlines()]
+                    for run in ("two", "one"))
+        assert [r["processes"] for r in two] == [2.0] * 3 and all("processes" not in r for r in one)
+        assert [r["epsilon"] for r in two] == [r["epsilon"] for r in one]
+        assert [r["nonprivate_cohort_size"] for r in two] == [r["nonprivate_cohort_size"] for r in one]
+        assert "eval_loss" in two[-1] and "eval_loss" in one[-1]
+        for mine, theirs in zip(two, one, strict=True):
+            assert ("eval_loss" in mine) == ("eval_loss" in theirs)
+            if "eval_loss" in mine:
+                assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+            assert mine["update_norm"] == pytest.approx(theirs["update_norm"], rel=1e-4)
