@@ -339,7 +339,7 @@ def test_make_privatizer_builds_the_configs_blt_and_refuses_another(tmp_path, mo
     privatizer = make_privatizer(config, dim=8, seed=0)
     assert isinstance(privatizer.strategy, BLTStrategy) and privatizer.strategy.buffers == 2
     assert privatizer.strategy.rounds == 20 and privatizer.buffer.shape == (2, 8)
-    assert [p.name for p in tmp_path.iterdir()] == ["blt-T20-k2-m20-prefix-sum.json"]  # m = 100 ≥ T: capped
+    assert [p.name for p in tmp_path.iterdir()] == ["blt-v2-T20-k2-m20-prefix-sum.json"]  # m = 100 ≥ T: capped
     assert make_privatizer(config, dim=8, seed=0, strategy=privatizer.strategy).strategy == privatizer.strategy
     with pytest.raises(ValueError, match="not the config's optimized BLT"):
         make_privatizer(config, dim=8, strategy=BLTStrategy((0.3,), (0.5,), 20))
