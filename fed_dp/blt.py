@@ -12,10 +12,16 @@ whose generating function is rational: C̃(x) = Σ_t c_t x^t = 1 + Σ_j θ_j x/(
 D(x) = Π_j (1 − ω_j x) and N(x) = D(x) + x·Σ_j θ_j Π_{i≠j} (1 − ω_i x), both of degree ℓ with constant term 1.
 C̃⁻¹ is lower-triangular Toeplitz with the coefficients h of D(x)/N(x).
 
-**Constraints** (checked by :class:`BLTStrategy`): θ_j > 0, 0 < ω_j < 1 and Σ_j θ_j ≤ 1. Then c is positive
-and nonincreasing (c_1 = Σθ ≤ 1 = c_0; each geometric term decreases), which the sensitivity bound below
-needs; and C̃(x) has no zero in the open unit disk ((1 − x)C̃(x) = 1 − Σ_{t≥1} (c_{t−1} − c_t) x^t, whose
-nonnegative differences sum to at most 1: the Eneström–Kakeya argument), so h does not grow exponentially.
+**Parameters** (checked by :class:`BLTStrategy`): θ_j real and finite, of either sign, and 0 < ω_j < 1. The
+first version of this module required θ_j > 0 and Σθ_j ≤ 1, which make c positive and nonincreasing (c_1 =
+Σθ ≤ 1 = c_0, each geometric term decreasing) and C̃(x) free of zeros in the open unit disk
+((1 − x)C̃(x) = 1 − Σ_{t≥1} (c_{t−1} − c_t) x^t, nonnegative differences summing to at most 1: Eneström–Kakeya).
+Under min-separation that class does no better than two distinct ω (measured at T = 2,000, m = 64: every
+start of a multi-start search ends at the same two-exponential optimum, 1.111× BandMF-64's error, for 2 to 5
+buffers): a positive sum of decaying exponentials is convex in t and cannot hold c up for about m lags and
+then drop. Opposite signs can (a shoulder), so the sign is free now, and the sensitivity below is proven for
+every c. With mixed signs nothing makes C̃⁻¹ stable by construction; privacy does not depend on it, and a
+growing h would show in the error over the T rounds, which the optimizer minimizes.
 
 **Normalization.** Column j of C̃ is (c_0, …, c_{T−1−j}) from row j down: a truncation of column 0, whose
 norm n_0 = ‖(c_0, …, c_{T−1})‖₂ is therefore the largest. The mechanism uses C = C̃/n_0 (still Toeplitz): one
@@ -30,25 +36,34 @@ with S_j(t) = Σ_{s<t} ω_j^{t−1−s} y_s, i.e. S_j(0) = 0 and S_j(t + 1) = ω
 Poisson: m = b groups; min-sep: m = N // B), so at most ⌈t/m⌉ of them fall in the first t rounds. The release
 after t rounds is (C x + noise) restricted to rows < t; the user's clipped contributions u_i (‖u_i‖ ≤ 1 in
 units of ζ) move it by Σ_{i∈P} C_{<t,i} u_iᵀ, of squared Frobenius norm Σ_{i,j∈P} X_ij ⟨u_i, u_j⟩ with
-X = C_{<t}ᵀ C_{<t}, entrywise ≥ 0 because c ≥ 0; so it is largest for equal u_i, where it equals
-‖Σ_{i∈P} C_{<t,i}‖². For nonnegative nonincreasing c the largest pattern is the earliest one,
-P* = {0, m, 2m, …} with all ⌈t/m⌉ participations: for any valid P = {p_1 < … < p_n}, p*_i = (i − 1)m ≤ p_i and
-p*_j − p*_i ≤ p_j − p_i, and for i < j
+X = C_{<t}ᵀ C_{<t}. Let ĉ_r = max_{r≤s<T} |c_s| be the nonnegative nonincreasing envelope of c (the
+projection jax_privacy's Toeplitz min-sep sensitivity applies, citing arXiv:2405.13763, Thm. 2; ĉ = c when c
+is itself nonnegative and nonincreasing, as in the θ > 0, Σθ ≤ 1 class) and X̂ the same product for ĉ.
+Then |X_ij| ≤ Σ_r |c_r||c_{r+p_j−p_i}| ≤ X̂_ij, so
 
-    X_{p_i p_j} = Σ_{r=0}^{t−1−p_j} c_r c_{r+p_j−p_i}  ≤  Σ_{r=0}^{t−1−p*_j} c_r c_{r+p*_j−p*_i} = X_{p*_i p*_j}
+    ‖Σ_{i∈P} C_{<t,i} u_iᵀ‖_F² ≤ Σ_{i,j∈P} |X_ij| ≤ Σ_{i,j∈P} X̂_ij = ‖Σ_{i∈P} Ĉ_{<t,i}‖² ,
 
-(at least as many nonnegative terms, none smaller since c is nonincreasing), while more participations only
-add nonnegative terms. Hence, with V_s = Σ_{i≥0, im≤s} c_{s−im} (V_s = c_s + V_{s−m}), the column sum of P*,
+with equality for equal u_i when c = ĉ. For nonnegative nonincreasing ĉ the largest pattern is the earliest
+one, P* = {0, m, 2m, …} with all ⌈t/m⌉ participations: for any valid P = {p_1 < … < p_n}, p*_i = (i − 1)m ≤ p_i
+and p*_j − p*_i ≤ p_j − p_i, and for i < j
 
-    sens_t(C̃)² = Σ_{s<t} V_s² ,    sens_t(C)² = sens_t(C̃)² / n_0² .
+    X̂_{p_i p_j} = Σ_{r=0}^{t−1−p_j} ĉ_r ĉ_{r+p_j−p_i}  ≤  Σ_{r=0}^{t−1−p*_j} ĉ_r ĉ_{r+p*_j−p*_i} = X̂_{p*_i p*_j}
 
-The accounting event after t rounds is Gaussian(σ / sens_t(C)) (``fed_dp.sampling``), for cyclic Poisson too:
+(at least as many nonnegative terms, none smaller since ĉ is nonincreasing), while more participations only
+add nonnegative terms. Hence, with V_s = Σ_{i≥0, im≤s} ĉ_{s−im} (V_s = ĉ_s + V_{s−m}), the column sum of P*,
+
+    sens_t(C̃)² = Σ_{s<t} V_s² ,    sens_t(C)² = sens_t(C̃)² / n_0² ,
+
+an upper bound for every c and the exact maximum when c = ĉ (then X ≥ 0 and equal u_i attain it). The
+accounting event after t rounds is Gaussian(σ / sens_t(C)) (``fed_dp.sampling``), for cyclic Poisson too:
 amplification by sampling (Choquette-Choo et al. 2023, Thm. 4) needs a b-banded C, whose epochs have
 disjoint columns, and a BLT is not banded, so no amplification is claimed. A BLT's columns m apart always
 overlap, so sens² can exceed ⌈t/m⌉ (BandMF's value). ``tests/fed_dp/test_blt.py`` checks the formula against
-a brute-force maximum over every pattern, and over vector contributions, on small cases.
+a brute-force maximum over every pattern, and over vector contributions, on small cases: equal for c = ĉ, an
+upper bound for mixed signs and non-monotone c.
 
-**Error** (the objective, as for BandMF): sens_T(C̃)² · (1/T)·‖A C̃⁻¹‖_F², invariant to the scale of C̃, with the
+**Error** (the objective, as for BandMF; McMahan et al. 2024 optimize a BLT's parameters for this
+multi-participation loss directly): sens_T(C̃)² · (1/T)·‖A C̃⁻¹‖_F², invariant to the scale of C̃, with the
 workload A(x) = 1/((1 − x)(1 − μx)) (prefix sum: μ = 0). A C̃⁻¹ is lower-triangular Toeplitz with the
 coefficients p of A(x)·D(x)/N(x), the impulse response of a rational filter of order ℓ + 2, and
 ‖A C̃⁻¹‖_F² = Σ_n (T − n)·p_n²: the whole objective costs O(T·ℓ); its gradient comes from the adjoint filter.
@@ -92,7 +107,8 @@ __all__ = [
 
 _DTYPE = torch.float64
 _CACHE_FORMAT = "fed-dp/blt-strategy"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: θ of either sign, envelope sensitivity (version 1 files are never read: other names)
+_THETA_BOUND = 2.0  # |θ_j| ≤ 2 in the optimizer (module docstring of optimize_blt)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,16 +123,11 @@ def _check_parameters(theta: Sequence[float], omega: Sequence[float]) -> tuple[t
         raise ValueError(f"theta and omega must be non-empty and of equal length (the buffers), got "
                          f"{len(theta)} and {len(omega)}")
     for j, value in enumerate(theta):
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"theta[{j}] must be a finite number > 0, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"theta[{j}] must be a finite number, got {value!r}")
     for j, value in enumerate(omega):
         if not (0 < value < 1):
             raise ValueError(f"omega[{j}] must satisfy 0 < omega < 1, got {value!r}")
-    if math.fsum(theta) > 1:
-        raise ValueError(
-            f"sum(theta) = {math.fsum(theta)!r} must be <= 1 (c_1 <= c_0): the BLT sensitivity bound and the "
-            "stability of its inverse need nonincreasing coefficients"
-        )
     return theta, omega
 
 
@@ -186,12 +197,19 @@ def _workload_denominator(numerator: torch.Tensor, momentum: float) -> torch.Ten
     return out
 
 
-def _comb_sums(coefs: torch.Tensor, separation: int) -> torch.Tensor:
-    """V_s = Σ_{i≥0, im≤s} c_{s−im} for s < T (V_s = c_s + V_{s−m}): blocks of m, cumulated. O(T).
+def _envelope(coefs: torch.Tensor) -> torch.Tensor:
+    """ĉ_r = max_{r≤s<T} |c_s|: the smallest nonnegative nonincreasing sequence ≥ |c| (ĉ = c when c is
+    nonnegative and nonincreasing). O(T); differentiable almost everywhere."""
+    return torch.flip(torch.cummax(torch.flip(coefs.abs(), [0]), dim=0).values, [0])
 
-    Σ_s V_s² is the sensitivity² only because c is nonnegative and nonincreasing (θ > 0, 0 < ω < 1, Σθ ≤ 1,
-    enforced by ``_check_parameters``): then the earliest participation pattern is the worst (module
-    docstring). A parameterization that allows other c must replace this with a maximum over patterns."""
+
+def _comb_sums(coefs: torch.Tensor, separation: int) -> torch.Tensor:
+    """V_s = Σ_{i≥0, im≤s} ĉ_{s−im} for s < T (V_s = ĉ_s + V_{s−m}) with ĉ = ``_envelope(coefs)``: blocks of m,
+    cumulated. O(T).
+
+    Σ_{s<t} V_s² bounds the squared sensitivity after t rounds for every c, and equals it when c is nonnegative
+    and nonincreasing (module docstring): the earliest pattern is the worst for ĉ, and |X| ≤ X̂."""
+    coefs = _envelope(coefs)
     rounds = len(coefs)
     blocks = -(-rounds // separation)
     padded = torch.cat([coefs, coefs.new_zeros(blocks * separation - rounds)])
@@ -226,7 +244,8 @@ def blt_loss(theta: torch.Tensor, omega: torch.Tensor, rounds: int, *, separatio
 class BLTStrategy:
     """A BLT(θ, ω) strategy for T rounds: C = C̃/n_0 with C̃ the Toeplitz matrix of c (module docstring).
 
-    ``theta`` and ``omega`` are tuples of ℓ floats with θ_j > 0, 0 < ω_j < 1, Σθ ≤ 1 (ValueError otherwise).
+    ``theta`` and ``omega`` are tuples of ℓ floats, θ_j finite of either sign, 0 < ω_j < 1 (ValueError
+    otherwise).
     One participation has sensitivity 1 (the largest column norm of C); :meth:`sensitivity_squared` gives
     the multi-participation value under a min-separation, which the accounting uses.
     """
@@ -280,8 +299,9 @@ class BLTStrategy:
 
     def sensitivity_squared(self, separation: int) -> np.ndarray:
         """(T,) float64: sens_t(C)² for t = 1 … T under min-separation m = ``separation``, every participation
-        that fits (⌈t/m⌉) counted: Σ_{s<t} V_s² / n_0² with V the column sum of the earliest pattern (module
-        docstring). Nondecreasing in t, from (c_0/n_0)² at t = 1 (only row 0 released) to at least 1."""
+        that fits (⌈t/m⌉) counted: Σ_{s<t} V_s² / n_0² with V the column sum of the earliest pattern of the
+        envelope ĉ (module docstring): exact when c is nonnegative and nonincreasing, an upper bound otherwise.
+        Nondecreasing in t, from (ĉ_0/n_0)² at t = 1 (only row 0 released) to at least 1."""
         separation = _check_int("separation", separation, 1)
         comb = _comb_sums(torch.from_numpy(self.coefs()), separation).numpy()
         return np.cumsum(comb**2) / self.scale**2
@@ -303,10 +323,9 @@ def blt_error(strategy: BLTStrategy, *, separation: int, momentum: float = 0.0) 
 
 
 def _parameters(free: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unconstrained (u, a) → θ_j = e^{u_j}/(1 + Σ_i e^{u_i}) (so θ > 0, Σθ < 1) and ω_j = sigmoid(a_j)."""
+    """Unconstrained (u, a) → θ_j = K·tanh(u_j) (|θ_j| < K = ``_THETA_BOUND``) and ω_j = sigmoid(a_j)."""
     buffers = len(free) // 2
-    logits = torch.cat([free.new_zeros(1), free[:buffers]])
-    return torch.softmax(logits, dim=0)[1:], torch.sigmoid(free[buffers:])
+    return _THETA_BOUND * torch.tanh(free[:buffers]), torch.sigmoid(free[buffers:])
 
 
 def initial_blt(rounds: int, buffers: int, spread: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -322,8 +341,8 @@ def initial_blt(rounds: int, buffers: int, spread: float = 1.0) -> tuple[np.ndar
 
 
 def _free_from(theta: np.ndarray, omega: np.ndarray) -> torch.Tensor:
-    slack = 1.0 - theta.sum()
-    return torch.tensor(np.concatenate([np.log(theta / slack), np.log(omega / (1.0 - omega))]), dtype=_DTYPE)
+    return torch.tensor(np.concatenate([np.arctanh(theta / _THETA_BOUND), np.log(omega / (1.0 - omega))]),
+                        dtype=_DTYPE)
 
 
 def _minimize(rounds: int, buffers: int, separation: int, momentum: float, max_iter: int,
@@ -332,15 +351,15 @@ def _minimize(rounds: int, buffers: int, separation: int, momentum: float, max_i
 
     def objective(x: torch.Tensor) -> torch.Tensor:
         theta, omega = _parameters(x)
-        return torch.log(blt_loss(theta, omega, rounds, separation=separation, momentum=momentum))
+        loss = blt_loss(theta, omega, rounds, separation=separation, momentum=momentum)
+        if not torch.isfinite(loss):  # a trial step whose C̃⁻¹ overflows: a wall for the line search
+            return (x * 0).sum() + 1e3
+        return torch.log(loss)
 
     free = lbfgs_minimize(objective, _free_from(*start), max_iter=max_iter, tolerance_grad=1e-9,
                           tolerance_change=1e-12)
     with torch.no_grad():
         theta, omega = _parameters(free)
-        total = math.fsum(theta.tolist())
-        if total > 1:  # Σθ < 1 in exact arithmetic; float rounding of the softmax can overshoot by an ulp
-            theta = theta * ((1 - 1e-12) / total)
         loss = float(blt_loss(theta, omega, rounds, separation=separation, momentum=momentum))
     return tuple(theta.tolist()), tuple(omega.tolist()), loss
 
@@ -390,12 +409,15 @@ def optimize_blt(
     """The BLT with ``buffers`` = ℓ buffers that minimizes :func:`blt_loss` for T rounds, min-separation m
     and the workload (prefix sum, or SGD with momentum μ), cached on disk.
 
-    L-BFGS (strong Wolfe, float64) on log(loss) over unconstrained parameters (θ through a softmax with a
-    slack term, so θ > 0 and Σθ < 1; ω through a sigmoid), from the :func:`initial_blt` points with memory
-    lengths spread over [1, T^s] for s in (1, 0.75, 0.5); the best result is kept. Each loss evaluation is
-    O(T·ℓ). Results are cached as JSON keyed by (T, ℓ, m, workload): ``blt-T{T}-k{ℓ}-m{m}-prefix-sum.json`` (or
-    ``…-momentum{μ}.json``) in ``cache_dir``, else $FED_DP_CACHE_DIR, else ~/.cache/fed-dp/strategies, written
-    atomically; a cached file that fails validation raises ValueError naming it (never silently recomputed).
+    L-BFGS (strong Wolfe, float64) on log(loss) over unconstrained parameters (θ_j = 2·tanh(u_j), of either
+    sign; ω through a sigmoid), from the :func:`initial_blt` points with memory lengths spread over [1, T^s]
+    for s in (1, 0.75, 0.5); the best result is kept. Each loss evaluation is O(T·ℓ). The bound |θ_j| < 2 keeps
+    the float32 stream y = z − Σ_j θ_j S_j free of large cancellations: unbounded, the optimum at T = 2,000,
+    m = 64 has θ ≈ (−114, 66, 48) on three nearly equal ω for 0.4% less error. Results are cached as JSON
+    keyed by (T, ℓ, m, workload): ``blt-v2-T{T}-k{ℓ}-m{m}-prefix-sum.json`` (or ``…-momentum{μ}.json``; v2 is
+    the cache version, so files of an older optimizer are not read) in ``cache_dir``, else $FED_DP_CACHE_DIR,
+    else ~/.cache/fed-dp/strategies, written atomically; a cached file that fails validation raises ValueError
+    naming it (never silently recomputed).
     """
     rounds = _check_int("rounds", rounds, 1)
     buffers = _check_int("buffers", buffers, 1)
@@ -403,7 +425,7 @@ def optimize_blt(
     momentum = _check_momentum(momentum)
     max_iter = _check_int("max_iter", max_iter, 1)
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    path = folder / f"blt-T{rounds}-k{buffers}-m{separation}-{_workload_key(momentum)}.json"
+    path = folder / f"blt-v{_CACHE_VERSION}-T{rounds}-k{buffers}-m{separation}-{_workload_key(momentum)}.json"
     header = _cache_header(rounds, buffers, separation, momentum)
     if path.exists():
         return _read_cached(path, header)

@@ -239,6 +239,8 @@ def test_privatize_refuses_a_wrong_shape():
 from fed_dp.blt import BLTStrategy  # noqa: E402
 
 BLT = BLTStrategy((0.25, 0.2, 0.1), (0.95, 0.6, 0.3), 14)
+# θ of both signs near the bound |θ| < 2, like the optimized min-sep BLTs (T = 2,000, m = 64, 3 buffers)
+MIXED_BLT = BLTStrategy((1.0066, -1.9677, 1.4421), (0.8563, 0.9265, 0.9583), 60)
 
 
 def _dense_blt(strategy: BLTStrategy) -> torch.Tensor:
@@ -252,24 +254,26 @@ def _dense_blt(strategy: BLTStrategy) -> torch.Tensor:
     return C / math.sqrt(sum(v * v for v in c))
 
 
-def test_streaming_blt_equals_dense_inverse_times_z():
-    rounds, dim, seed = BLT.rounds, 300, 5
-    privatizer = Privatizer(BLT, noise_std=1.7, dim=dim, seed=seed, dtype=torch.float64)
+@pytest.mark.parametrize("strategy", [BLT, MIXED_BLT])
+def test_streaming_blt_equals_dense_inverse_times_z(strategy):
+    rounds, dim, seed = strategy.rounds, 300, 5
+    privatizer = Privatizer(strategy, noise_std=1.7, dim=dim, seed=seed, dtype=torch.float64)
     assert privatizer.buffer.shape == (3, dim)  # ℓ buffers of d floats, nothing of size T
     streamed = torch.stack([privatizer.next_noise() for _ in range(rounds)])
     generator = torch.Generator().manual_seed(seed)
     z = torch.stack([torch.randn(dim, generator=generator, dtype=torch.float64) for _ in range(rounds)])
-    dense = 1.7 * torch.linalg.solve_triangular(_dense_blt(BLT), z, upper=False)
+    dense = 1.7 * torch.linalg.solve_triangular(_dense_blt(strategy), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("strategy", [BLT, MIXED_BLT])
 @pytest.mark.parametrize("device", DEVICES)
-def test_streaming_blt_float32_matches_dense_to_single_precision(device):
-    privatizer = Privatizer(BLT, noise_std=0.5, dim=1000, seed=6, device=device)
-    streamed = torch.stack([privatizer.next_noise() for _ in range(BLT.rounds)]).double().cpu()
+def test_streaming_blt_float32_matches_dense_to_single_precision(device, strategy):
+    privatizer = Privatizer(strategy, noise_std=0.5, dim=1000, seed=6, device=device)
+    streamed = torch.stack([privatizer.next_noise() for _ in range(strategy.rounds)]).double().cpu()
     generator = torch.Generator(device=device).manual_seed(6)
-    z = torch.stack([torch.randn(1000, generator=generator, device=device) for _ in range(BLT.rounds)]).double().cpu()
-    dense = 0.5 * torch.linalg.solve_triangular(_dense_blt(BLT), z, upper=False)
+    z = torch.stack([torch.randn(1000, generator=generator, device=device) for _ in range(strategy.rounds)]).double().cpu()
+    dense = 0.5 * torch.linalg.solve_triangular(_dense_blt(strategy), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-5, atol=1e-5)
 
 
@@ -339,7 +343,7 @@ def test_make_privatizer_builds_the_configs_blt_and_refuses_another(tmp_path, mo
     privatizer = make_privatizer(config, dim=8, seed=0)
     assert isinstance(privatizer.strategy, BLTStrategy) and privatizer.strategy.buffers == 2
     assert privatizer.strategy.rounds == 20 and privatizer.buffer.shape == (2, 8)
-    assert [p.name for p in tmp_path.iterdir()] == ["blt-T20-k2-m20-prefix-sum.json"]  # m = 100 ≥ T: capped
+    assert [p.name for p in tmp_path.iterdir()] == ["blt-v2-T20-k2-m20-prefix-sum.json"]  # m = 100 ≥ T: capped
     assert make_privatizer(config, dim=8, seed=0, strategy=privatizer.strategy).strategy == privatizer.strategy
     with pytest.raises(ValueError, match="not the config's optimized BLT"):
         make_privatizer(config, dim=8, strategy=BLTStrategy((0.3,), (0.5,), 20))

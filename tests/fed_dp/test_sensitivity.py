@@ -11,6 +11,7 @@ bound with the k that their accounting event uses.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -171,9 +172,24 @@ def _direct(event, accountant):
     return acc.get_epsilon(1e-5)
 
 
-def _brute_force_sens_sq(C: np.ndarray, separation: int, t: int) -> float:
+def _max_over_patterns(C: np.ndarray, separation: int, t: int) -> float:
     """max over patterns in rounds < t with gaps ≥ separation of ‖Σ_{i∈P} C[:t, i]‖² (every pattern, any size)."""
     return max(float(np.sum(C[:t, list(p)].sum(axis=1) ** 2)) for p in patterns(t, separation, t))
+
+
+def _signed_max_over_patterns(C: np.ndarray, separation: int, t: int) -> float:
+    """The true worst case of scalar contributions in [−1, 1]: max over patterns and signs of ‖Σ_{i∈P} ±C[:t, i]‖²."""
+    return max(float(np.sum((C[:t, list(p)] @ np.array((1.0,) + s)) ** 2))
+               for p in patterns(t, separation, t) for s in itertools.product([1.0, -1.0], repeat=len(p) - 1))
+
+
+def _brute_force_sens_sq(C: np.ndarray, separation: int, t: int) -> float:
+    """The sensitivity² the accounting must use: the max over patterns for the Toeplitz matrix of the envelope
+    ĉ_r = max_{s≥r}|c_s| of C's first column (= C for θ > 0; an upper bound on C's own worst case otherwise)."""
+    c = C[:, 0]
+    envelope = np.array([np.abs(c[r:]).max() for r in range(len(c))])
+    lag = np.arange(len(c))[:, None] - np.arange(len(c))[None, :]
+    return _max_over_patterns(np.where(lag >= 0, envelope[np.clip(lag, 0, None)], 0.0), separation, t)
 
 
 @pytest.mark.parametrize("name", sorted(BLT_CONFIGS))
@@ -187,6 +203,7 @@ def test_blt_event_after_every_round_uses_the_brute_force_sensitivity(name, tmp_
         event = dp_event(cfg, t)
         assert event == dp_accounting.GaussianDpEvent(event.noise_multiplier)
         assert event.noise_multiplier == pytest.approx(cfg.noise_multiplier / sens, rel=1e-12), t
+        assert sens**2 >= _signed_max_over_patterns(C, cfg.min_separation, t) * (1 - 1e-12), t  # sound for C
     k = math.ceil(cfg.rounds / cfg.min_separation)
     assert _brute_force_sens_sq(C, cfg.min_separation, cfg.rounds) > k  # BandMF's √k would under-count here
 

@@ -185,7 +185,7 @@ def test_blt_noise_runs_through_the_runner_with_calibration(tmp_path, monkeypatc
     records = read_results(tmp_path / "out")["dp-adambc"]
     assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in range(1, 6)]  # ≤ 10 rounds: all exact
     assert rows[0]["epsilon"] == pytest.approx(epsilon(privacy)) and epsilon(privacy) <= 4.0
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blt-T5-k2-m4-prefix-sum.json"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blt-v2-T5-k2-m4-prefix-sum.json"]
 
 
 DATA_CONFIGS = [n for n in _builtin_configs() if load_config(n)["task"]["ref"] in
