@@ -259,6 +259,12 @@ class BLTStrategy:
         object.__setattr__(self, "theta", theta)
         object.__setattr__(self, "omega", omega)
         object.__setattr__(self, "rounds", _check_int("rounds", self.rounds, 1))
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"BLT(theta={self.theta}, omega={self.omega}) has coefficients whose norm over "
+                             f"{self.rounds} rounds is {self.scale!r}: not a usable strategy (|theta| too large)")
+        if not np.all(np.isfinite(self.inverse_row_sq_norms().numpy())):
+            raise ValueError(f"BLT(theta={self.theta}, omega={self.omega}) has an inverse that overflows within "
+                             f"{self.rounds} rounds: its noise would not be finite; choose a stable BLT")
 
     @property
     def buffers(self) -> int:
@@ -304,7 +310,11 @@ class BLTStrategy:
         Nondecreasing in t, from (ĉ_0/n_0)² at t = 1 (only row 0 released) to at least 1."""
         separation = _check_int("separation", separation, 1)
         comb = _comb_sums(torch.from_numpy(self.coefs()), separation).numpy()
-        return np.cumsum(comb**2) / self.scale**2
+        squared = np.cumsum(comb**2) / self.scale**2
+        if not np.all(np.isfinite(squared)):  # a NaN here would reach the accountant as a NaN noise multiplier
+            raise ValueError(f"the sensitivity of BLT(theta={self.theta}, omega={self.omega}) under separation "
+                             f"{separation} is not finite")
+        return squared
 
     def to_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "theta": list(self.theta), "omega": list(self.omega)}

@@ -279,6 +279,8 @@ def test_gradcheck_loss_and_impulse_response():
     ((), (), 5, "non-empty"),
     ((0.2,), (0.5,), 0, "rounds"),
     ((float("nan"),), (0.5,), 5, r"theta\[0\]"),
+    ((1e200,), (0.5,), 50, "norm"),  # finite θ whose c overflows: n_0 = inf would make the sensitivity NaN
+    ((-1.9,), (0.5,), 2000, "overflows"),  # an unstable inverse: h grows like 2.4^t, the noise would be inf
 ])
 def test_strategy_validation_names_the_field(theta, omega, rounds, match):
     with pytest.raises(ValueError, match=match):
