@@ -32,7 +32,7 @@ from fed_dp.clients.task import Examples, Loss
 from fed_dp.clipping import clip_scaled, clip_update
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
-from fed_dp.round import Contribution
+from fed_dp.contribution import Contribution
 
 #: (user index, that user's examples): what a node trains in a round.
 UserExamples = tuple[int, Examples]

@@ -62,7 +62,7 @@ from fed_dp.clients.training import (UserExamples, check_finite_loss, minibatch_
 from fed_dp.clipping import clip_rows
 from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
-from fed_dp.round import Contribution
+from fed_dp.contribution import Contribution
 
 log = logging.getLogger("fed_dp.clients")
 

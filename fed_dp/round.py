@@ -30,6 +30,7 @@ from fed_dp.adaptive_clipping import AdaptiveClipConfig, AdaptiveClipper, check_
 from fed_dp.aggregation import average_noise_variance, private_average, unscale
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import in_simulation, reported_epsilon
+from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.diagnostics import alignment_ratio
 from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
 from fed_dp.noise import Privatizer, make_privatizer
@@ -39,32 +40,6 @@ from fed_dp.sampling import Sampler, make_sampler
 
 #: Relative slack when checking a reply's norm against count·ζ (float32 rounding of an honest clip).
 NORM_SLACK = 1e-5
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """One node's reply: Σ of its users' clipped updates (scaled geometry for STP), their count, and,
-    when the optimizer needs them, Σ of their coordinate-wise squares."""
-
-    total: torch.Tensor
-    count: int
-    total_squares: torch.Tensor | None = None
-    source: str = ""
-    unclipped: int | None = None  # Σ 1[‖Δ_i‖ ≤ ζ_t] of these users, for adaptive clipping
-    scaled: bool = False  # clipped as s_t ⊙ Δ_i (scale-then-privatize), as the broadcast asked
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """What round t broadcasts: the cohort (user ids), θ_{t−1}, s_t (STP) and whether users send squares."""
-
-    round: int
-    cohort: torch.Tensor
-    params: torch.Tensor
-    clip_norm: float
-    scale: torch.Tensor | None
-    send_squares: bool
-    send_clip_bits: bool = False
 
 
 @dataclass

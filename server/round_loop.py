@@ -41,7 +41,8 @@ from fed_dp.accounting import BudgetExceededError
 from fed_dp.checkpoint import (append_diagnostics, last_published, mark_published, operator_log_file, resume,
                                save_checkpoint)
 from fed_dp.context import in_simulation
-from fed_dp.round import Contribution, RoundPlan, ServerState, begin_round, finish_round
+from fed_dp.contribution import Contribution, RoundPlan
+from fed_dp.round import ServerState, begin_round, finish_round
 
 log = logging.getLogger("fed_dp.server")
 #: Operator-only details of each round (which nodes failed or were late, how many sampled users were dropped): not

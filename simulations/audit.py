@@ -44,7 +44,8 @@ from fed_dp.context import simulation
 from fed_dp.noise import Privatizer
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed
-from fed_dp.round import Contribution, RoundPlan, init_server
+from fed_dp.contribution import Contribution, RoundPlan
+from fed_dp.round import init_server
 from fed_dp.server.round_loop import RoundReplies, run_rounds
 
 THREAT_MODELS = ("final-model", "all-iterates")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fed_dp.clients.node import LocalTrainer
-from fed_dp.round import Contribution, RoundPlan
+from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.server.round_loop import RoundReplies
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
-from fed_dp.round import Contribution, RoundPlan, ServerState, init_server
+from fed_dp.contribution import Contribution, RoundPlan
+from fed_dp.round import ServerState, init_server
 from fed_dp.server.round_loop import RoundReplies, run_rounds
 from fed_dp.simulations.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 

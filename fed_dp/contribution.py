@@ -1,0 +1,38 @@
+"""What one round broadcasts (:class:`RoundPlan`) and what a node sends back (:class:`Contribution`).
+
+Plain records shared by the server's round (``fed_dp.round``) and the clients, kept apart from the round so that a
+client process imports neither the accountant nor the noise: a ClientApp process starts about 0.9 s sooner on
+these 2-core machines without dp_accounting and scipy, and Flower starts one per message in a deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One node's reply: Σ of its users' clipped updates (scaled geometry for STP), their count, and,
+    when the optimizer needs them, Σ of their coordinate-wise squares."""
+
+    total: torch.Tensor
+    count: int
+    total_squares: torch.Tensor | None = None
+    source: str = ""
+    unclipped: int | None = None  # Σ 1[‖Δ_i‖ ≤ ζ_t] of these users, for adaptive clipping
+    scaled: bool = False  # clipped as s_t ⊙ Δ_i (scale-then-privatize), as the broadcast asked
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What round t broadcasts: the cohort (user ids), θ_{t−1}, s_t (STP) and whether users send squares."""
+
+    round: int
+    cohort: torch.Tensor
+    params: torch.Tensor
+    clip_norm: float
+    scale: torch.Tensor | None
+    send_squares: bool
+    send_clip_bits: bool = False
