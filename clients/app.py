@@ -1,8 +1,8 @@
 """The project's Flower ClientApp: a node hosts one or many users and answers for each sampled one.
 
-    QUERY  → the user indices this node hosts (node config ``users``, e.g. "0-19,40-49"; under Flower's
-             simulation engine user u lives on partition u mod num-partitions) and its node config's
-             ``name``, if it has one (the server knows a restarted node by it, else by its users)
+    QUERY  → the user indices this node hosts (node config ``users``, e.g. "0-19,40-49") and its node config's
+             ``name``, if it has one (the server knows a restarted node by it, else by its users); under
+             Flower's simulation engine, that it is one of P virtual nodes, each able to train any user
     TRAIN  → the requested users trained from θ_{t−1} with the task's loss, clipped in the broadcast geometry,
              summed (``fed_dp.clients.node.train_reply``)
 

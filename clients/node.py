@@ -31,7 +31,7 @@ from fed_dp.clients.training import resolve_device, use_fast_format
 from fed_dp.clients.vectorized import Path, contribution, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
-from fed_dp.round import Contribution
+from fed_dp.contribution import Contribution
 
 __all__ = ["LocalTrainer", "hosted_users", "parse_users", "query_reply", "train_reply"]
 
@@ -55,9 +55,11 @@ def parse_users(spec: str) -> list[int]:
     return sorted(users)
 
 
-def hosted_users(node_config: Mapping[str, Any], num_users: int) -> list[int]:
+def hosted_users(node_config: Mapping[str, Any], num_users: int) -> Sequence[int]:
     """The users a node hosts: its node config's ``users`` ranges (deployment), or, under Flower's simulation
-    engine, partition p of P hosts users p, p + P, p + 2P, ... of the N = ``num_users``."""
+    engine (node config ``partition-id`` and ``num-partitions`` = P), any of the N = ``num_users``
+    (:class:`~fed_dp.clients.protocol.VirtualNodeUsers`: every virtual node builds the whole task; the server
+    assigns user u to the (u mod P)-th of them after asking one, instead of asking all P)."""
     if "users" in node_config:
         users = parse_users(node_config["users"])
         outside = [u for u in users if u >= num_users]
@@ -66,8 +68,7 @@ def hosted_users(node_config: Mapping[str, Any], num_users: int) -> list[int]:
                              f"(indices 0..{num_users - 1})")
         return users
     if "partition-id" in node_config and "num-partitions" in node_config:  # Flower simulation engine
-        pid, parts = int(node_config["partition-id"]), int(node_config["num-partitions"])
-        return list(range(pid, num_users, parts))
+        return protocol.VirtualNodeUsers(num_users, int(node_config["num-partitions"]))
     raise ValueError("this SuperNode has no 'users' in its --node-config (e.g. --node-config \"users='0-19'\")")
 
 

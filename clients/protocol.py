@@ -4,6 +4,11 @@ QUERY, "which users do you host?" (once per node id, when the server first sees 
 
     server → node   {"fed-dp.query": ConfigRecord{"what": "users"}}
     node → server   {"fed-dp.users": ConfigRecord{"users": [sampler indices 0..N−1], "name": stable name (optional)}}
+    a virtual node  {"fed-dp.users": ConfigRecord{"users": [], "virtual-nodes": P, "num-users": N}}
+
+A virtual SuperNode of Flower's simulation engine builds the whole task, so it can train any of the N users
+(:class:`VirtualNodeUsers`); on such an answer from one node the server assigns the users to the P virtual nodes
+itself instead of asking each of them (``fed_dp.server.membership``).
 
 TRAIN, round t, to each node hosting sampled users:
 
@@ -34,7 +39,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from fed_dp.round import Contribution, RoundPlan
+from fed_dp.contribution import Contribution, RoundPlan
 
 PROTOCOL = 1
 QUERY, USERS = "fed-dp.query", "fed-dp.users"
@@ -42,8 +47,9 @@ MODEL, SCALE, ROUND, CONFIG = "fed-dp.model", "fed-dp.scale", "fed-dp.round", "c
 UPDATE, REPLY, METRICS = "fed-dp.update", "fed-dp.reply", "metrics"
 
 __all__ = [
-    "ReplyError", "TrainRequest", "destinations", "make_train_reply", "node_name", "parse_train_reply",
+    "ReplyError", "TrainRequest", "VirtualNodeUsers", "destinations", "make_train_reply", "node_name", "parse_train_reply",
     "parse_train_request", "parse_users_reply", "query_reply", "replying_node", "train_message", "users_query",
+    "virtual_nodes",
 ]
 
 
@@ -60,15 +66,51 @@ def users_query(node_id: int) -> Message:
                    message_type=MessageType.QUERY)
 
 
+class VirtualNodeUsers(tuple):
+    """The users of one of the ``nodes`` virtual SuperNodes of Flower's simulation engine: all N of them (every
+    virtual node builds the whole task, so it can train any user), as a tuple 0..N−1 that also says how many
+    virtual nodes there are. :func:`query_reply` answers it in one short record (not N indices), and the server,
+    told so by a single node, assigns user u to the (u mod P)-th virtual node itself."""
+
+    nodes: int
+
+    def __new__(cls, num_users: int, nodes: int) -> "VirtualNodeUsers":
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"the number of virtual nodes must be an integer >= 1, got {nodes!r}")
+        users = super().__new__(cls, range(num_users))
+        users.nodes = nodes
+        return users
+
+
 def query_reply(msg: Message, users: Sequence[int], name: str | None = None) -> Message:
     """A node's answer: the sampler indices of the users it hosts, and optionally its stable ``name`` (the server
-    recognises a restarted node by it; without one, by its user ranges)."""
+    recognises a restarted node by it; without one, by its user ranges). For :class:`VirtualNodeUsers` (a virtual
+    node of Flower's simulation engine, ``fed_dp.hosted_users``), the number of virtual nodes and N instead."""
     if QUERY not in msg.content:
         raise ValueError("this QUERY is not fed-dp's user query (it has no 'fed-dp.query' record)")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ValueError(f"a node's name must be a non-empty string, got {name!r}")
-    answer = ConfigRecord({"users": [int(u) for u in users]} | ({"name": name.strip()} if name is not None else {}))
+    if isinstance(users, VirtualNodeUsers):
+        answer = {"users": [], "virtual-nodes": users.nodes, "num-users": len(users)}
+    else:
+        answer = {"users": [int(u) for u in users]}
+    answer = ConfigRecord(answer | ({"name": name.strip()} if name is not None else {}))
     return Message(content=RecordDict({USERS: answer}), reply_to=msg)
+
+
+def virtual_nodes(reply: Message, num_users: int) -> int | None:
+    """P when a node answered the user query as one of P virtual nodes of Flower's simulation engine (any of the
+    N users can be trained on it), else None; ReplyError when its task has another N than the server's."""
+    if reply.has_error() or USERS not in reply.content or "virtual-nodes" not in reply.content[USERS]:
+        return None
+    answer = reply.content[USERS]
+    if int(answer.get("num-users", -1)) != num_users:
+        raise ReplyError(f"it is a virtual node of a task with N = {answer.get('num-users')} users, but the server's "
+                         f"population has N = {num_users}: the ServerApp and the ClientApp must build the same task")
+    nodes = int(answer["virtual-nodes"])
+    if nodes < 1:
+        raise ReplyError(f"it says there are {nodes} virtual nodes")
+    return nodes
 
 
 def node_name(reply: Message) -> str | None:

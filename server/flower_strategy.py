@@ -46,8 +46,9 @@ from fed_dp.context import in_simulation
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
-from fed_dp.round import RoundPlan, ServerState, begin_round, finish_round, init_server
-from fed_dp.server.membership import Membership, NotEnoughNodesError
+from fed_dp.contribution import RoundPlan
+from fed_dp.round import ServerState, begin_round, finish_round, init_server
+from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.round_loop import RoundReplies, run_rounds
 
 log = logging.getLogger("fed_dp.server")
@@ -186,7 +187,7 @@ class UserLevelDP(Strategy):
         """Discover the nodes and their users once (``fed_dp.server.membership``)."""
         if self.membership is None:
             membership = Membership(self.state.config.num_users, query_timeout=timeout)
-            membership.start(grid, self.min_nodes, self.node_wait)
+            membership.start(grid, self.min_nodes, self.node_wait, probe=probe_size(grid))
             self.membership = membership
 
     def _await_nodes(self, grid: Grid, released: int) -> None:

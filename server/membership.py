@@ -16,11 +16,19 @@ only to ids it has not seen before:
 The sampler draws user indices 0..N−1 from the whole population whatever the nodes; a sampled user whose node
 is down counts as dropped (the round still releases with the fixed denominator B), so membership never changes
 the sampling or the accounting. Nothing here depends on who was sampled, so these events are public.
+
+Under Flower's simulation engine the nodes are P virtual SuperNodes that each build the whole task, and asking
+every one of them costs a message each (about 20 ms apiece on 2 cores, seconds for hundreds of nodes). There the
+server asks a few nodes first (:func:`probe_size`: one per core, so that each of the engine's workers loads the
+ClientApp now, in parallel, rather than in the first round); when they answer as virtual nodes
+(``fed_dp.clients.protocol.VirtualNodeUsers``), the server assigns user u to the (u mod P)-th virtual node id itself
+and asks no other. Which virtual node trains a user changes nothing in what is computed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,8 +72,22 @@ def format_users(users: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float) -> list[int]:
-    """Node ids once at least ``min_nodes`` are connected; RuntimeError after ``timeout`` seconds."""
+def probe_size(grid: Grid) -> int:
+    """How many nodes the user query asks before the others (module docstring): 0, none apart, in a deployment;
+    under Flower's simulation engine (its in-memory grid: ``flwr run`` on a simulation federation,
+    ``flwr.simulation.run_simulation``), which runs in this process, one per core this process may use (the
+    engine runs at most about that many ClientApps at once)."""
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # another flwr layout: ask every node at once, as in a deployment
+        return 0
+    return len(os.sched_getaffinity(0)) if isinstance(grid, InMemoryGrid) else 0
+
+
+def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *,
+                   why: str = "server.min-nodes). Start the SuperNodes, or lower server.min-nodes") -> list[int]:
+    """Node ids once at least ``min_nodes`` are connected; RuntimeError after ``timeout`` seconds, saying ``why``
+    that many were needed."""
     deadline = time.monotonic() + timeout
     while True:
         nodes = sorted(grid.get_node_ids())
@@ -73,7 +95,7 @@ def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float) -> list[int]:
             return nodes
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {len(nodes)} SuperNode(s) connected after {timeout:.0f} s; {min_nodes} needed "
-                               "(server.min-nodes). Start the SuperNodes, or lower server.min-nodes")
+                               f"({why}")
         time.sleep(0.5)
 
 
@@ -90,6 +112,7 @@ class Membership:
         self.owner: dict[int, str] = {}  # user → node name
         self._seen: set[int] = set()  # node ids that answered the user query (used, replaced or refused)
         self._silent: set[int] = set()  # node ids that did not answer yet (logged once, asked again)
+        self.virtual: int | None = None  # P, once a node answered as one of P virtual nodes (simulation engine)
 
     # --- reading ---------------------------------------------------------------------------------------------
     def node_of(self, user: int) -> int | None:
@@ -109,10 +132,19 @@ class Membership:
         return sum(len(node.users) for node in self.connected())
 
     # --- discovery -----------------------------------------------------------------------------------------------
-    def start(self, grid: Grid, min_nodes: int, wait: float) -> None:
-        """Wait for ``min_nodes`` nodes, ask each once; :class:`NoUsersError` if none hosts a user."""
+    def start(self, grid: Grid, min_nodes: int, wait: float, *, probe: int = 0) -> None:
+        """Wait for ``min_nodes`` nodes, ask each once; :class:`NoUsersError` if none hosts a user. With
+        ``probe`` > 0 (Flower's simulation engine, :func:`probe_size`), ask that many nodes first: if they are
+        virtual nodes, assign the users to the virtual nodes without asking the others (module docstring)."""
         nodes = wait_for_nodes(grid, min_nodes, wait)
-        failures = self._ask(grid, nodes, at_start=True)
+        failures: list[str] = []
+        rest = nodes
+        if 0 < probe < len(nodes):
+            failures += self._ask(grid, nodes[:probe], at_start=True)
+            rest = nodes[probe:] if self.virtual is None else []
+        failures += self._ask(grid, rest, at_start=True) if rest else []
+        if self.virtual is not None:
+            self._assign_virtual(grid, wait)
         if not self.owner:
             raise NoUsersError(
                 f"none of the {len(nodes)} connected node(s) hosts any user, so every round would release noise "
@@ -149,6 +181,7 @@ class Membership:
                 continue
             answered.add(node_id)
             try:
+                virtual = protocol.virtual_nodes(reply, self.num_users)
                 hosted = protocol.parse_users_reply(reply, self.num_users)
             except protocol.ReplyError as error:
                 failures.append(f"node {node_id}: {error}")
@@ -157,6 +190,9 @@ class Membership:
                 continue
             self._seen.add(node_id)
             self._silent.discard(node_id)
+            if virtual is not None or self.virtual is not None:
+                self._note_virtual(node_id, virtual, at_start=at_start)
+                continue
             name = protocol.node_name(reply) or f"users {format_users(hosted)}"
             self._place(name, tuple(sorted(hosted)), node_id, at_start=at_start)
         for node_id in sorted(set(node_ids) - answered):
@@ -167,6 +203,36 @@ class Membership:
                     log.warning("node id %d is connected but did not answer the user query within %.0f s; it is "
                                 "asked again before the next round", node_id, self.query_timeout)
         return failures
+
+    def _note_virtual(self, node_id: int, nodes: int | None, *, at_start: bool) -> None:
+        """Record that ``node_id`` answered as one of ``nodes`` virtual nodes. Refused (an error at the start, else
+        logged and the node not used): a node with users of its own (``nodes`` None) once virtual nodes answered,
+        a virtual node among nodes with users of their own or after the start, another number of virtual nodes."""
+        if at_start and nodes is not None and not self.nodes and self.virtual in (None, nodes):
+            self.virtual = nodes
+            return
+        message = (f"node id {node_id} answered the user query as "
+                   + ("a node with users of its own" if nodes is None else f"one of {nodes} virtual nodes")
+                   + f" but {len(self.nodes)} node(s) answered with users of their own and the virtual nodes "
+                   f"said {self.virtual}: every node must run the same ClientApp, in one kind of federation")
+        if at_start:
+            raise ValueError(message)
+        log.error("%s; it is not used", message)
+
+    def _assign_virtual(self, grid: Grid, wait: float) -> None:
+        """All P virtual nodes connected (waiting up to ``wait`` s), sorted by id: the k-th hosts users k, k + P,
+        k + 2P, ... (module docstring)."""
+        nodes = self.virtual
+        ids = wait_for_nodes(grid, nodes, wait, why=f"a virtual node says the simulation has {nodes})")
+        if len(ids) != nodes:
+            raise ValueError(f"{len(ids)} nodes are connected but a virtual node of Flower's simulation engine says "
+                             f"there are {nodes}: every node must run the same ClientApp in one federation")
+        for k, node_id in enumerate(ids):
+            self._seen.add(node_id)
+            if k < self.num_users:
+                self._place(f"virtual node {k}", tuple(range(k, self.num_users, nodes)), node_id, at_start=True)
+        log.info("Flower's simulation engine: the %d users assigned to its %d virtual SuperNodes (user u to the "
+                 "(u mod %d)-th), asking one of them", self.num_users, nodes, nodes)
 
     def _place(self, name: str, users: tuple[int, ...], node_id: int, *, at_start: bool) -> None:
         """Record that ``node_id`` is the node ``name`` hosting ``users``."""

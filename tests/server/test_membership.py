@@ -16,13 +16,15 @@ from flwr.app import Message, MessageType
 
 from fed_dp.accounting import epsilon
 from fed_dp.checkpoint import load_checkpoint, read_diagnostics
-from fed_dp.clients.node import LocalTrainer, parse_users, query_reply, train_reply
+from fed_dp.clients import protocol
+from fed_dp.clients.node import LocalTrainer, hosted_users, parse_users, query_reply, train_reply
+from fed_dp.clients.protocol import VirtualNodeUsers
 from fed_dp.clients.task import initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.round import begin_round, finish_round, init_server
 from fed_dp.optimizers import make_optimizer
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
-from fed_dp.server.membership import Membership, NotEnoughNodesError, format_users
+from fed_dp.server.membership import Membership, NoUsersError, NotEnoughNodesError, format_users
 from fed_dp.server.round_loop import NoRepliesError
 from fed_dp.simulations.builtin_tasks import heavy_tail_task
 from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)
@@ -228,3 +230,91 @@ def test_membership_refreshes_with_one_call_when_nothing_changed():
     membership.refresh(grid)
     assert calls == ["get_node_ids"] and len(grid.sent) == sent
     assert membership.node_of(25) == 101 and membership.hosted_users() == 40
+
+
+# --- virtual nodes of Flower's simulation engine -------------------------------------------------------------
+
+
+def virtual_node(nodes: int, num_users: int = 40, partition: int = 0) -> Handler:
+    """A virtual SuperNode as the project's ClientApp is one under Flower's simulation engine: its users come
+    from hosted_users with the engine's node config (partition-id, num-partitions)."""
+    trainer = LocalTrainer(TASK, LOCAL, device="cpu")
+    users = hosted_users({"partition-id": partition, "num-partitions": nodes}, num_users)
+
+    def handle(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, users)
+        return train_reply(message, trainer, hosted=users)
+
+    return handle
+
+
+def queries(grid: InProcessGrid) -> list[int]:
+    return [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == MessageType.QUERY]
+
+
+def test_a_virtual_node_hosts_any_user_and_says_so_in_one_short_answer():
+    users = hosted_users({"partition-id": 3, "num-partitions": 6}, 40)
+    assert isinstance(users, VirtualNodeUsers) and list(users) == list(range(40)) and users.nodes == 6
+    answer = query_reply(protocol.users_query(5), users).content[protocol.USERS]
+    assert list(answer["users"]) == [] and answer["virtual-nodes"] == 6 and answer["num-users"] == 40
+    with pytest.raises(ValueError, match="virtual nodes must be an integer >= 1"):
+        VirtualNodeUsers(40, 0)
+
+
+@pytest.mark.parametrize("probe", [0, 2])
+def test_virtual_nodes_get_users_assigned_after_a_probe_of_a_few(probe):
+    """Six virtual nodes (ids given out of order): with a probe of 2 only those two are asked, without one all
+    six; either way user u goes to the (u mod 6)-th node id in sorted order."""
+    ids = [130, 100, 125, 101, 140, 110]
+    grid = InProcessGrid({node_id: virtual_node(6, partition=k) for k, node_id in enumerate(ids)})
+    membership = Membership(40, query_timeout=1.0)
+    membership.start(grid, min_nodes=1, wait=1.0, probe=probe)
+    assert queries(grid) == (sorted(ids)[:2] if probe else sorted(ids))
+    assert membership.virtual == 6 and membership.hosted_users() == 40
+    assert all(membership.node_of(u) == sorted(ids)[u % 6] for u in range(40))
+
+
+def test_virtual_nodes_train_the_assigned_users_like_nodes_with_users_of_their_own(tmp_path):
+    """The same run through 4 virtual nodes (users assigned) and through 2 nodes hosting 20 users each: the same
+    cohorts, ε and final model up to float32 summation order; every sampled user replied."""
+    finals = {}
+    for kind, nodes in (("virtual", {100 + k: virtual_node(4, partition=k) for k in range(4)}),
+                        ("own", {100: node(FIRST), 101: node(SECOND)})):
+        folder = tmp_path / kind
+        start(InProcessGrid(nodes), folder, seed=5)
+        assert all(c["replied_users"] == c["cohort_size"] for c in read_diagnostics(folder))
+        finals[kind] = (load_checkpoint(folder)["state"]["params"],
+                        [r["epsilon"] for r in json.loads((folder / "results.json").read_text())])
+    torch.testing.assert_close(finals["virtual"][0], finals["own"][0], rtol=1e-5, atol=1e-6)
+    assert finals["virtual"][1] == finals["own"][1]
+
+
+def test_a_probe_answered_by_nodes_with_users_of_their_own_asks_the_rest():
+    grid = InProcessGrid({100: node(list(range(10))), 101: node(list(range(10, 20))), 102: node(list(range(20, 40)))})
+    membership = Membership(40, query_timeout=1.0)
+    membership.start(grid, min_nodes=3, wait=1.0, probe=1)
+    assert queries(grid) == [100, 101, 102] and membership.virtual is None
+    assert membership.node_of(5) == 100 and membership.node_of(15) == 101 and membership.node_of(39) == 102
+
+
+def test_virtual_nodes_mixed_with_nodes_of_their_own_are_refused():
+    grid = InProcessGrid({100: virtual_node(2), 101: node(SECOND)})
+    with pytest.raises(ValueError, match="answered the user query as a node with users of its own"):
+        Membership(40, query_timeout=1.0).start(grid, min_nodes=2, wait=1.0)
+    grid = InProcessGrid({100: node(FIRST), 101: virtual_node(2)})
+    with pytest.raises(ValueError, match="answered the user query as one of 2 virtual nodes"):
+        Membership(40, query_timeout=1.0).start(grid, min_nodes=2, wait=1.0)
+
+
+def test_a_virtual_node_of_another_population_is_refused_with_the_reason():
+    grid = InProcessGrid({100: virtual_node(1, num_users=30)})
+    with pytest.raises(NoUsersError, match="task with N = 30 users, but the server's population has N = 40"):
+        Membership(40, query_timeout=1.0).start(grid, min_nodes=1, wait=1.0)
+
+
+def test_fewer_connected_nodes_than_the_virtual_nodes_say_is_an_error_after_the_wait():
+    grid = InProcessGrid({100: virtual_node(3), 101: virtual_node(3)})
+    with pytest.raises(RuntimeError, match="2 SuperNode.s. connected after 1 s; 3 needed .a virtual node says the "
+                                           "simulation has 3"):
+        Membership(40, query_timeout=1.0).start(grid, min_nodes=1, wait=1.0, probe=1)
