@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -65,15 +66,18 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
 def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
     """A tiny W1 (conv model, channels-last, DP-FedAvg) through `flwr run` and through the in-process fast
     engine, both of its paths, with the same seeds: the same ε every round (exactly) and the same final
-    model. Tolerances: the sequential path (what the ClientApp runs on the CPU) adds the same float32
-    numbers in a different order across 2 nodes: rtol 1e-5, atol 1e-6; the vectorized path also uses
+    model, with the users assigned to 8 virtual SuperNodes after asking a few of them. Tolerances: the sequential
+    path (what the ClientApp runs on the CPU) adds the same float32 numbers in a different order across nodes:
+    rtol 1e-5, atol 1e-6; the vectorized path also uses
     grouped convolutions, which round differently: rtol 1e-4, atol 1e-5."""
     out = tmp_path / "ckpt"
     config = {"task.ref": "w1", "task.users": 8, "task.examples": 8, "privacy.expected-cohort": 4,
               "privacy.rounds": 2, "privacy.accountant": "rdp", "optimizer.name": "dp-fedavg", "optimizer.lr": 1.0,
               "local.batch-size": 4, "local.lr": 0.05, "run.seed": 11, "run.eval-every": 0,
               "server.checkpoint-dir": str(out)}
-    flower_run.run(tmp_path / "home", config, supernodes=2)
+    log = flower_run.run(tmp_path / "home", config, supernodes=8)  # one virtual SuperNode per user, as W1's
+    # with fewer cores than nodes, only a core's worth of nodes is asked which users they host (membership.py)
+    assert "the 8 users assigned to its 8 virtual SuperNodes" in log and "8 SuperNode(s) host 8 of the 8" in log, log[-3000:]
     records = _results(out)
     privacy = resolve_privacy(RunConfig.from_flat(config).privacy, 8)
     assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in (1, 2)]
@@ -192,3 +196,22 @@ def test_a_text_task_from_local_files_runs_through_flower(tmp_path):
     assert "eval_perplexity" in records[-1]
     engine = train(build_task(run.task), privacy, run.optimizer.build(), run.local, seed=3, device="cpu")
     torch.testing.assert_close(load_checkpoint(out)["state"]["params"], engine.params, rtol=1e-5, atol=1e-6)
+
+
+def test_flwr_run_from_the_bundle_folder_bundles_the_same_app(tmp_path):
+    """`flwr run` is started in a folder holding only the files the app bundles (server.local_simulation); the
+    bundle Flower builds from it is byte for byte the one it builds from the project folder itself."""
+    from fed_dp.server.local_simulation import FLWR, bundle_folder
+
+    staged = bundle_folder(flower_run.REPO, tmp_path / "bundle")
+    assert staged != flower_run.REPO and sorted(p.name for p in staged.iterdir()) == ["README.md", "pyproject.toml"]
+    built = {}
+    for name, folder in (("project", flower_run.REPO), ("bundle", staged)):
+        out = tmp_path / f"built-{name}"
+        out.mkdir()
+        done = subprocess.run([FLWR, "build", "--app", str(folder)], cwd=out, env=flower_run.flwr_env(tmp_path / name),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (fab,) = out.glob("*.fab")
+        built[name] = fab.read_bytes()
+    assert built["project"] == built["bundle"]
