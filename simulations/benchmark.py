@@ -12,6 +12,9 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     - ``flower-dp``: Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg)`` through
       ``run_simulation`` (``simulations.flower_baseline``), Flower's default 2 CPUs per ClientApp;
     - ``flower-dp-1cpu``: the same with 1 CPU per ClientApp (two workers on two cores);
+    - ``flower-dp-flwr-run``: the same apps launched with ``flwr run`` (``simulations/flower_baseline_app``),
+      one virtual SuperNode per user, 1 CPU per ClientApp: the project's Flower apps' launcher, so that
+      ``fed-dp-flower`` against it compares the apps and against ``flower-dp`` the whole experience;
     - ``fed-dp-flower``: the project's ServerApp/ClientApp through ``flwr run`` (Flower's simulation
       engine), one virtual SuperNode per user, 1 CPU per ClientApp;
     - ``engine``: the in-process engine (auto path: one user at a time on the CPU, vectorized on CUDA),
@@ -85,7 +88,7 @@ from fed_dp.simulations.builtin_tasks import w1_task
 
 SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
-SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "fed-dp-flower")
+SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "flower-dp-flwr-run", "fed-dp-flower")
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,24 @@ def flower_baseline_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: f
             "users": spec.cohort * spec.rounds}
 
 
+def flower_baseline_flwr_run(spec: W1Spec, folder: Path, timeout: float) -> dict[str, Any]:
+    """One run of Flower's own DP apps of W1 through ``flwr run`` (simulation engine, 1 CPU per ClientApp),
+    launched as :func:`project_flower_run` launches the project's."""
+    from fed_dp.server import local_simulation
+    from fed_dp.simulations.flower_baseline import APP
+
+    stamp = time.time_ns()
+    out = folder / f"flower-flwr-run-{stamp}.json"
+    run_config = {key.replace("_", "-"): value for key, value in asdict(spec.baseline(out, 1)).items()}
+    total, log = _timed(lambda: local_simulation.run(folder / f"flwr-home-{stamp}", run_config, supernodes=spec.users,
+                                                     client_cpus=1, timeout=timeout, app=APP))
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if result.get("trained_rounds") != spec.rounds:
+        raise RuntimeError(f"Flower's DP apps under flwr run trained {result.get('trained_rounds', 0)} of "
+                           f"{spec.rounds} rounds; log tail:\n" + "\n".join(log.splitlines()[-30:]))
+    return {"seconds": result["rounds_seconds"], "total_seconds": total, "users": spec.cohort * spec.rounds}
+
+
 def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: float) -> dict[str, Any]:
     """One run of the project's ServerApp/ClientApp through ``flwr run`` (simulation engine)."""
     from fed_dp.server import local_simulation
@@ -291,6 +312,7 @@ def bench_w1(spec: W1Spec, runs: int, folder: Path, *, flower: bool, timeout: fl
         systems["flower-dp"] = lambda: flower_baseline_run(spec, 2, folder, timeout)
         if not smoke:
             systems["flower-dp-1cpu"] = lambda: flower_baseline_run(spec, 1, folder, timeout)
+        systems["flower-dp-flwr-run"] = lambda: flower_baseline_flwr_run(spec, folder, timeout)
         systems["fed-dp-flower"] = lambda: project_flower_run(spec, 1, folder, timeout)
     systems["engine"] = lambda: engine_run(task, privacy, training, seed=spec.seed, vectorized=None)
     systems["engine-1thread"] = lambda: _one_thread(

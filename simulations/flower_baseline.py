@@ -16,6 +16,10 @@ are shared with the project, so both sides train the same users on the same netw
 writes ``{"rounds_seconds": wall time of the rounds (strategy.start), "total_seconds": ..., ...}``.
 ``run_simulation`` gives the apps an empty run config, so the settings reach them (the ServerApp in
 this process, ClientApps in Ray workers) through the environment variable ``FED_DP_FLOWER_BASELINE``.
+
+The same two apps also run under ``flwr run`` (``simulations/flower_baseline_app``, whose run config holds
+the W1 fields, e.g. ``batch-size``), so the benchmark can launch Flower's DP wrapper exactly as it launches the
+project's apps and tell the launcher's cost from the apps'.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 ENV = "FED_DP_FLOWER_BASELINE"
+#: ``server_app`` and ``client_app`` are built on first access (module ``__getattr__``: importing flwr is slow and
+#: only the runs need it); listed here so that ``flwr run`` finds them.
+__all__ = ["APP", "BaselineConfig", "W1Workload", "client_app", "main", "run", "server_app"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +74,24 @@ class BaselineConfig(W1Workload):
     out: str = ""
 
 
-def _config() -> BaselineConfig:
+#: The Flower app folder that runs these apps with ``flwr run``.
+APP = Path(__file__).resolve().parent / "flower_baseline_app"
+
+
+def _config(run_config: dict[str, Any]) -> BaselineConfig:
+    """The settings: the run config's (``flwr run``, keys as ``batch-size``), else ``FED_DP_FLOWER_BASELINE``."""
+    if run_config:
+        return BaselineConfig(**{key.replace("-", "_"): value for key, value in run_config.items()})
     return BaselineConfig(**json.loads(os.environ.get(ENV, "{}")))
+
+
+def __getattr__(name: str) -> Any:
+    """``server_app`` and ``client_app``, built on first use (the components ``flwr run`` loads)."""
+    if name in ("server_app", "client_app"):
+        server_app, client_app = _apps()
+        globals().update(server_app=server_app, client_app=client_app)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _apps():
@@ -87,7 +110,7 @@ def _apps():
 
     @server_app.main()
     def server_main(grid: Grid, context: Context) -> None:
-        config = _config()
+        config = _config(context.run_config)
         torch.manual_seed(config.seed)
         model = w1_cnn()
         strategy = DifferentialPrivacyServerSideFixedClipping(
@@ -107,7 +130,7 @@ def _apps():
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
-        config = _config()
+        config = _config(context.run_config)
         torch.set_num_threads(1)
         user = int(context.node_config["partition-id"])
         x, y = w1_user_data(user, config.examples)

@@ -8,6 +8,7 @@ the measurements (medians, ratios, overheads).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -56,8 +57,11 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     w1 = results["w1"]
     spec = benchmark.W1Spec(**w1["spec"])
     systems = w1["systems"]
-    assert {"flower-dp", "fed-dp-flower", "engine", "engine-1thread", "engine-vectorized", "plain"} <= set(systems)
-    assert systems["flower-dp"]["users"] == spec.cohort * spec.rounds  # Flower samples exactly the cohort
+    assert {"flower-dp", "flower-dp-flwr-run", "fed-dp-flower", "engine", "engine-1thread", "engine-vectorized",
+            "plain"} <= set(systems)
+    for flower in ("flower-dp", "flower-dp-flwr-run"):
+        assert systems[flower]["users"] == spec.cohort * spec.rounds  # Flower samples exactly the cohort
+        assert systems[flower]["total_seconds"]["median"] > systems[flower]["median"]  # the rounds are part of it
     engine_users = systems["engine"]["users"]
     assert systems["fed-dp-flower"]["users"] == engine_users == systems["plain"]["users"]  # the same Poisson cohorts
     assert systems["engine"]["path"] == "sequential" and systems["engine-vectorized"]["path"] == "vectorized"
@@ -87,3 +91,18 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     accounting = results["accounting"]
     assert accounting["epsilon"] == accounting["schedule_pld_last"] > 0  # T is an exact round of the schedule
     assert accounting["calibrated_sigma_pld"] <= accounting["calibrated_sigma_rdp"]  # PLD is tighter
+
+
+def test_the_flower_baseline_app_reads_every_w1_field_from_its_run_config():
+    """The `flwr run` launch of Flower's DP apps (system flower-dp-flwr-run) gets W1 from the run config: its
+    pyproject lists exactly the baseline's fields, and the apps read them (dashes for underscores)."""
+    import tomllib
+    from dataclasses import fields
+
+    from fed_dp.simulations.flower_baseline import APP, _config
+
+    config = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert {key.replace("-", "_") for key in config} == {f.name for f in fields(BaselineConfig)}
+    spec = benchmark.W1Spec.smoke()
+    run_config = {key.replace("_", "-"): value for key, value in asdict(spec.baseline("/tmp/x.json", 1)).items()}
+    assert _config(run_config) == spec.baseline("/tmp/x.json", 1)
