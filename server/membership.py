@@ -137,14 +137,13 @@ class Membership:
         ``probe`` > 0 (Flower's simulation engine, :func:`probe_size`), ask that many nodes first: if they are
         virtual nodes, assign the users to the virtual nodes without asking the others (module docstring)."""
         nodes = wait_for_nodes(grid, min_nodes, wait)
-        failures: list[str] = []
-        rest = nodes
-        if 0 < probe < len(nodes):
-            failures += self._ask(grid, nodes[:probe], at_start=True)
-            rest = nodes[probe:] if self.virtual is None else []
-        failures += self._ask(grid, rest, at_start=True) if rest else []
+        asked = nodes[:probe] if 0 < probe < len(nodes) else nodes
+        failures = self._ask(grid, asked, at_start=True)
+        if self.virtual is None and len(asked) < len(nodes):  # the probe found nodes with users of their own
+            failures += self._ask(grid, nodes[len(asked):], at_start=True)
+            asked = nodes
         if self.virtual is not None:
-            self._assign_virtual(grid, wait)
+            self._assign_virtual(grid, wait, asked=len(asked))
         if not self.owner:
             raise NoUsersError(
                 f"none of the {len(nodes)} connected node(s) hosts any user, so every round would release noise "
@@ -219,9 +218,9 @@ class Membership:
             raise ValueError(message)
         log.error("%s; it is not used", message)
 
-    def _assign_virtual(self, grid: Grid, wait: float) -> None:
+    def _assign_virtual(self, grid: Grid, wait: float, asked: int) -> None:
         """All P virtual nodes connected (waiting up to ``wait`` s), sorted by id: the k-th hosts users k, k + P,
-        k + 2P, ... (module docstring)."""
+        k + 2P, ... (module docstring); ``asked``: how many of them were asked (for the log)."""
         nodes = self.virtual
         ids = wait_for_nodes(grid, nodes, wait, why=f"a virtual node says the simulation has {nodes})")
         if len(ids) != nodes:
@@ -232,7 +231,7 @@ class Membership:
             if k < self.num_users:
                 self._place(f"virtual node {k}", tuple(range(k, self.num_users, nodes)), node_id, at_start=True)
         log.info("Flower's simulation engine: the %d users assigned to its %d virtual SuperNodes (user u to the "
-                 "(u mod %d)-th), asking one of them", self.num_users, nodes, nodes)
+                 "(u mod %d)-th), after asking %d of them", self.num_users, nodes, nodes, asked)
 
     def _place(self, name: str, users: tuple[int, ...], node_id: int, *, at_start: bool) -> None:
         """Record that ``node_id`` is the node ``name`` hosting ``users``."""

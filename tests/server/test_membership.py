@@ -67,10 +67,13 @@ def server_log():
         def emit(self, record):
             messages.append(record.getMessage())
 
-    handler = Keep(level=logging.INFO)
-    logging.getLogger("fed_dp").addHandler(handler)
+    handler, logger = Keep(level=logging.INFO), logging.getLogger("fed_dp")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as configure_logging sets it in a ServerApp
     yield messages
-    logging.getLogger("fed_dp").removeHandler(handler)
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def start(grid: InProcessGrid, folder, seed: int, on_round=None, **options):
@@ -263,7 +266,7 @@ def test_a_virtual_node_hosts_any_user_and_says_so_in_one_short_answer():
 
 
 @pytest.mark.parametrize("probe", [0, 2])
-def test_virtual_nodes_get_users_assigned_after_a_probe_of_a_few(probe):
+def test_virtual_nodes_get_users_assigned_after_a_probe_of_a_few(probe, server_log):
     """Six virtual nodes (ids given out of order): with a probe of 2 only those two are asked, without one all
     six; either way user u goes to the (u mod 6)-th node id in sorted order."""
     ids = [130, 100, 125, 101, 140, 110]
@@ -273,6 +276,8 @@ def test_virtual_nodes_get_users_assigned_after_a_probe_of_a_few(probe):
     assert queries(grid) == (sorted(ids)[:2] if probe else sorted(ids))
     assert membership.virtual == 6 and membership.hosted_users() == 40
     assert all(membership.node_of(u) == sorted(ids)[u % 6] for u in range(40))
+    assert any(f"the 40 users assigned to its 6 virtual SuperNodes (user u to the (u mod 6)-th), after asking "
+               f"{probe or 6} of them" in message for message in server_log), server_log
 
 
 def test_virtual_nodes_train_the_assigned_users_like_nodes_with_users_of_their_own(tmp_path):
