@@ -106,3 +106,25 @@ def test_the_flower_baseline_app_reads_every_w1_field_from_its_run_config():
     spec = benchmark.W1Spec.smoke()
     run_config = {key.replace("_", "-"): value for key, value in asdict(spec.baseline("/tmp/x.json", 1)).items()}
     assert _config(run_config) == spec.baseline("/tmp/x.json", 1)
+
+
+def test_the_gpu_section_measures_the_engine_against_the_limit_on_any_device():
+    """`--only gpu` runs only with CUDA; its measurement itself runs on the CPU here (tiny sizes): both models,
+    the engine's users/s against one model trained on the same examples in both batch sizes."""
+    result = benchmark.bench_gpu(benchmark.W1Spec.smoke(), users=12, cohort=4, rounds=2, device="cpu",
+                                 log=lambda *_: None)
+    rows = result["rows"]
+    assert [(row["model"], row["parameters"]) for row in rows] == [("w1-cnn", 25_578), ("cifar-cnn", 411_466)]
+    for row in rows:
+        for label in ("all", "1024"):
+            assert row[f"ratio_to_limit_{label}"] == pytest.approx(
+                row["users_per_second"] / row[f"limit_{label}_users_per_second"])
+        assert row["engine_seconds"] > 0 and row["peak_gib"] is None and row["h2d_copies_per_round"] is None
+    assert "engine/limit" in benchmark.format_gpu(result) and result["device"] == "cpu"
+
+
+def test_transfer_summary_counts_host_to_device_copies_and_synchronizations_per_round():
+    events = [("Memcpy HtoD (Pageable -> Device)", 30), ("Memcpy HtoD (Pinned -> Device)", 10),
+              ("Memcpy DtoH (Device -> Pageable)", 7), ("cudaStreamSynchronize", 8), ("cudaDeviceSynchronize", 2),
+              ("aten::add", 100)]
+    assert benchmark.transfer_summary(events, rounds=2) == {"h2d_copies_per_round": 20.0, "syncs_per_round": 5.0}
