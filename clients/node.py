@@ -27,7 +27,7 @@ from flwr.app import Message
 
 from fed_dp.clients import protocol
 from fed_dp.clients.task import Task, Users
-from fed_dp.clients.training import resolve_device, use_fast_format
+from fed_dp.clients.training import keep_freed_memory, resolve_device, use_fast_format
 from fed_dp.clients.vectorized import Path, contribution, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
@@ -90,6 +90,8 @@ class LocalTrainer:
         self.task = task
         self.local = local if local is not None else LocalTraining()
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # one small user after another: stop the heap from being trimmed at every step
         self.vectorized = paths[training]
         self.chunk_size = chunk_size
         self.model = task.build_model().to(self.device)  # its initial weights are replaced by each broadcast θ
