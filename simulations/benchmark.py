@@ -45,6 +45,10 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
 ``accounting``
     ε after 10,000 Poisson-sampled Gaussian rounds with PLD, the whole per-round ε schedule of those rounds
     (RDP and PLD), and calibrating σ for a target ε (PLD and RDP).
+``deployment``
+    A SuperLink and 10 SuperNodes on 127.0.0.1 as processes: the seconds of a round of Flower's floor (an echo
+    app: one W1-sized array to every node and back) and of the project's apps with a trivial local step, side
+    by side (:func:`bench_deployment`).
 ``gpu`` (only with CUDA)
     W1's data scaled to 10,000 users and 1,000 per round on ``cuda``, with W1's CNN and the seeds' CIFAR CNN:
     users/s of the engine's vectorized path against the hardware's practical limit for the same work (one
@@ -88,7 +92,7 @@ from fed_dp.clients.task import initial_model
 from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
 from fed_dp.simulations.builtin_tasks import w1_task
 
-SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu")
+SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
 SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "flower-dp-flwr-run", "fed-dp-flower")
 
@@ -646,6 +650,56 @@ def format_gpu(r: dict[str, Any]) -> str:
             "engine's vectorized path against one model trained on the same examples (the limit)\n" + _table(header, rows))
 
 
+# --- deployment rounds ----------------------------------------------------------------------------------------
+
+
+def bench_deployment(nodes: int, rounds: int, folder: Path, log=print) -> dict[str, Any]:
+    """A deployment round's overhead on 127.0.0.1: a SuperLink and ``nodes`` SuperNodes (insecure: no TLS, which
+    a real deployment needs; 4 users each) as processes, then side by side on them, ``rounds`` rounds each:
+    Flower's floor (``simulations.flower_echo``: one W1-sized array to every node and back) and the project's
+    apps on the W1 task and model (the same array size) with every user sampled and one local step on one
+    example (``privacy.sampler = "all"``, ``local.steps = 1``, ``local.max-examples = 1``). Medians of the rounds
+    after the first (the first also installs the app bundle on every node)."""
+    from fed_dp.server.local_deployment import deployment
+    from fed_dp.simulations.flower_echo import APP
+
+    users_per_node = 4
+    with deployment(folder, None) as d:
+        d.start_superlink()
+        started = [d.start_supernode({"users": f"{k * users_per_node}-{(k + 1) * users_per_node - 1}"})
+                   for k in range(nodes)]
+        d.wait_for_nodes(started, timeout=120)
+        echo_out = folder / "echo.json"
+        echo = d.finish(d.submit({"rounds": rounds, "out": str(echo_out)}, app=APP), timeout=60 + 120 * rounds)
+        if echo.status != "finished:completed" or not echo_out.exists():
+            raise RuntimeError(f"Flower's echo app did not complete ({echo.status}):\n{d.diagnostics()}")
+        echo_rounds = json.loads(echo_out.read_text())["round_seconds"]
+        log(f"  flower echo: rounds {', '.join(f'{x:.1f}' for x in echo_rounds)} s")
+        checkpoint = folder / "fed-dp"
+        project = d.run({"task.ref": "w1", "task.users": nodes * users_per_node, "task.examples": 2, "privacy.sampler": "all",
+                         "privacy.expected-cohort": nodes * users_per_node, "privacy.rounds": rounds,
+                         "privacy.accountant": "rdp", "local.steps": 1, "local.batch-size": 1, "local.max-examples": 1,
+                         "run.eval-every": 0, "run.seed": 1, "server.checkpoint-dir": str(checkpoint),
+                         "server.min-nodes": nodes, "client.device": "cpu"}, timeout=60 + 120 * rounds)
+        if project.status != "finished:completed":
+            raise RuntimeError(f"the project's apps did not complete ({project.status}):\n{d.diagnostics()}")
+        project_rounds = [r["round_seconds"] for r in json.loads((checkpoint / "results.json").read_text())]
+        log(f"  fed-dp:      rounds {', '.join(f'{x:.1f}' for x in project_rounds)} s")
+    echo_median = statistics.median(echo_rounds[1:] or echo_rounds)
+    project_median = statistics.median(project_rounds[1:] or project_rounds)
+    return {"nodes": nodes, "rounds": rounds, "echo_round_seconds": echo_rounds, "fed_dp_round_seconds": project_rounds,
+            "echo_median": echo_median, "fed_dp_median": project_median, "ratio_to_echo": project_median / echo_median,
+            "cores": len(os.sched_getaffinity(0))}
+
+
+def format_deployment(r: dict[str, Any]) -> str:
+    rows = [["Flower's floor: echo of one W1-sized array", f"{r['echo_median']:.2f}", "1"],
+            ["fed-dp's apps: W1, every user, one local step", f"{r['fed_dp_median']:.2f}", f"{r['ratio_to_echo']:.2f}×"]]
+    return (f"{r['nodes']} SuperNodes on 127.0.0.1, {r['cores']} cores, median of rounds 2..{r['rounds']}; a target of "
+            f"1 s per round {'is' if r['fed_dp_median'] <= 1 else 'is not'} met\n"
+            + _table(["system", "round s", "vs Flower's floor"], rows))
+
+
 # --- figure and command -----------------------------------------------------------------------------------------
 
 
@@ -764,6 +818,12 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         else:
             results["gpu"] = None
             section("GPU", "no CUDA device on this machine: skipped")
+    if "deployment" in sections:
+        log("measuring deployment rounds ...")
+        nodes, rounds = (2, 2) if args.smoke else (10, 6)
+        with tempfile.TemporaryDirectory(prefix="fed-dp-deployment-") as folder:
+            results["deployment"] = bench_deployment(nodes, rounds, Path(folder), log=log)
+        section("deployment rounds", format_deployment(results["deployment"]))
     (out / "benchmark.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "benchmark.txt").write_text("\n".join(printed) + "\n")
     figure = plot(results, out / "benchmark.png")

@@ -48,7 +48,8 @@ def test_unknown_section_is_a_clear_error(tmp_path, capsys):
 
 def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     """`fed-dp benchmark --smoke`: Flower's DP simulation, the project's Flower apps, the engine's paths
-    and plain training on a tiny W1; scaling; a BandMF step; accounting; saved JSON, text and figure."""
+    and plain training on a tiny W1; scaling; a BandMF step; accounting; deployment rounds on 2 SuperNodes;
+    saved JSON, text and figure."""
     out = tmp_path / "bench"
     assert cli_main(["benchmark", "--smoke", "--out", str(out)]) == 0
     results = json.loads((out / "benchmark.json").read_text())
@@ -69,6 +70,11 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
         assert entry["min"] <= entry["median"] <= entry["max"] and entry["runs"] == 1
         assert entry["speedup_vs_flower_dp"] == pytest.approx(systems["flower-dp"]["median"] / entry["median"])
     assert w1["epsilon"] == w1["flower_epsilon"] == epsilon(spec.privacy(), spec.rounds)
+
+    deployment = results["deployment"]  # real SuperLink and SuperNode processes, Flower's echo app and the project's
+    assert deployment["nodes"] == 2 and len(deployment["echo_round_seconds"]) == len(deployment["fed_dp_round_seconds"]) == 2
+    assert deployment["ratio_to_echo"] == pytest.approx(deployment["fed_dp_median"] / deployment["echo_median"])
+    assert "deployment rounds" in (out / "benchmark.txt").read_text()
 
     for row in results["scaling"]["rows"]:
         assert row["overhead_ms_per_user"] == pytest.approx(1e3 * (row["round_seconds"] - row["plain_seconds"]) / row["cohort"])
