@@ -49,6 +49,7 @@ from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
+from fed_dp.server.messaging import send_and_receive
 from fed_dp.server.round_loop import RoundReplies, run_rounds
 
 log = logging.getLogger("fed_dp.server")
@@ -364,7 +365,7 @@ class UserLevelDP(Strategy):
             self._await_nodes(grid, plan.round)  # the sampled cohort does not depend on this: nothing private is revealed
             messages, asked, unreachable = self._messages(plan, train_config)
             started = time.perf_counter()
-            replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+            replies = send_and_receive(grid, messages, timeout)
             return self._replies(plan, messages, replies, asked, unreachable, time.perf_counter() - started)
 
         def evaluate(server_round: int, params: torch.Tensor) -> dict[str, float]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from flwr.serverapp import Grid
 
 from fed_dp.clients import protocol
+from fed_dp.server.messaging import send_and_receive
 
 log = logging.getLogger("fed_dp.server")
 
@@ -173,7 +174,7 @@ class Membership:
         failures: list[str] = []
         answered: set[int] = set()
         queries = [protocol.users_query(n) for n in node_ids]
-        replies = list(grid.send_and_receive(queries, timeout=self.query_timeout))
+        replies = send_and_receive(grid, queries, self.query_timeout)
         sent_to = protocol.destinations(queries)
         for node_id, reply in sorted(((protocol.replying_node(r, sent_to), r) for r in replies), key=lambda p: p[0]):
             if node_id not in node_ids or node_id in answered:

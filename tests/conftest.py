@@ -1,4 +1,5 @@
-"""Test-wide setup: strategies optimized by the tests go to a temporary folder, never to ~/.cache."""
+"""Test-wide setup: strategies optimized by the tests go to a temporary folder, never to ~/.cache; the identity
+a ServerApp process has, for tests that create Flower instruction messages (fixture ``server_identity``)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,14 @@ def _strategy_cache_in_a_temporary_folder(tmp_path_factory):
         os.environ.pop("FED_DP_CACHE_DIR", None)
     else:
         os.environ["FED_DP_CACHE_DIR"] = before
+
+
+@pytest.fixture
+def server_identity():
+    """What a ServerApp process has when Flower runs it (instruction messages carry it)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    before = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before

@@ -13,18 +13,14 @@ from collections.abc import Callable, Iterable
 import pytest
 from flwr.app import Error, Message
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 Handler = Callable[[Message], Message | None]
 
 
 @pytest.fixture(autouse=True)
-def server_identity():
-    """What a ServerApp process has when Flower runs it (instruction messages carry it)."""
-    before = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+def server_identity(server_identity):
+    """Autouse in the modules that import it: their messages are created as a ServerApp creates them."""
     yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
 
 
 class InProcessGrid(Grid):
@@ -33,6 +29,7 @@ class InProcessGrid(Grid):
     def __init__(self, nodes: dict[int, Handler]) -> None:
         self.nodes = nodes
         self.sent: list[Message] = []
+        self._replies: dict[str, Message] = {}  # message id → its reply, until pulled
 
     def set_run(self, run):  # pragma: no cover - not used by the strategy
         raise NotImplementedError
@@ -47,16 +44,13 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
 
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        replies = []
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Each message gets an id (as the SuperLink gives it) and its node's reply, if any, is kept for a pull."""
+        ids = []
         for message in messages:
+            message.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"
             self.sent.append(message)
+            ids.append(message.metadata.message_id)
             handler = self.nodes.get(message.metadata.dst_node_id)
             if handler is None:  # the node is gone: no reply
                 continue
@@ -65,5 +59,11 @@ class InProcessGrid(Grid):
             except Exception as error:  # what Flower does with a ClientApp that raises
                 reply = Message(Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message)
             if reply is not None:
-                replies.append(reply)
-        return replies
+                self._replies[message.metadata.message_id] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
