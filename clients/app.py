@@ -8,22 +8,30 @@
 
 The task comes from the run config by reference (``task.ref``), so every Flower process — simulation workers,
 SuperNodes — imports it itself. A ClientApp of your own does the same in a few lines (``fed_dp.clients.node``).
+
+With ``node-service`` in the node config, both handlers forward the message to that node's long-lived service
+(``fed_dp.clients.node_service``), which answers with :data:`HANDLERS` and keeps the task loaded across messages;
+this module imports torch and the trainer only where it answers in its own process.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
-from fed_dp.clients.task import build_task
-from fed_dp.run_config import RunConfig
+from fed_dp.clients.node_service import NODE_CONFIG_KEY, forward, message_kind
 
 app = ClientApp()
-_TRAINERS: dict[str, LocalTrainer] = {}  # per process (the simulation engine reuses processes; deployment may not)
+_TRAINERS: dict[str, Any] = {}  # per process (the simulation engine and a node service reuse processes)
 
 
-def _trainer(context: Context) -> LocalTrainer:
+def _trainer(context: Context):
+    from fed_dp.clients.node import LocalTrainer
+    from fed_dp.clients.task import build_task
+    from fed_dp.run_config import RunConfig
+
     run = RunConfig.from_flat(context.run_config)
     root = str(context.node_config.get("data-root", "")) or None
     key = repr((run.task, root, run.local, run.client))
@@ -34,14 +42,36 @@ def _trainer(context: Context) -> LocalTrainer:
     return _TRAINERS[key]
 
 
-@app.query()
-def query(msg: Message, context: Context) -> Message:
+def answer_query(msg: Message, context: Context) -> Message:
+    from fed_dp.clients.node import hosted_users, query_reply
+
     trainer = _trainer(context)
     name = str(context.node_config.get("name", "")) or None
     return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), name=name)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def answer_train(msg: Message, context: Context) -> Message:
+    from fed_dp.clients.node import hosted_users, train_reply
+
     trainer = _trainer(context)
     return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))
+
+
+#: Message kind → the handler that answers it in this process (also what a node service answers with).
+HANDLERS = {"query": answer_query, "train": answer_train}
+
+
+def _answer(msg: Message, context: Context) -> Message:
+    """Forwarded to the node service when the node config names one, else answered here."""
+    service = str(context.node_config.get(NODE_CONFIG_KEY, ""))
+    return forward(service, msg, context) if service else HANDLERS[message_kind(msg)](msg, context)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    return _answer(msg, context)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return _answer(msg, context)

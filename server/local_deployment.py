@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fed_dp.clients.node_service import NODE_CONFIG_KEY
 from fed_dp.server.local_simulation import REPO, format_run_config, free_port
 from fed_dp.server.submit import RunOutcome, outcome, run_details
 
@@ -188,6 +189,7 @@ class Deployment:
         self.superlink: Process | None = None
         self.superlinks: list[Process] = []  # every start, the running one last
         self.supernodes: list[Process] = []
+        self.services: list[Process] = []  # node services beside SuperNodes (start_supernode(service=True))
         self.runs: list[Process] = []
         self._cli_home = self._home("cli")
         self._write_cli_config()
@@ -272,9 +274,18 @@ class Deployment:
         return [*command, "--auth-supernode-private-key", str(private_key)] if private_key else command
 
     def start_supernode(self, node_config: dict[str, Any], private_key: Path | None = None,
-                        extra: tuple[str, ...] = ()) -> Process:
-        """Start one SuperNode (its Runtime API on a free port) hosting the users of ``node_config``."""
+                        extra: tuple[str, ...] = (), *, service: bool = False) -> Process:
+        """Start one SuperNode (its Runtime API on a free port) hosting the users of ``node_config``; ``service``:
+        first a node service beside it (``fed-dp node-service``, socket ``folder/<name>/node.sock``), named in its
+        node config."""
         name = f"supernode{len(self.supernodes)}"
+        if service:
+            socket = self.folder / name / "node.sock"
+            started = self._start(f"{name}-service", [executable("fed-dp"), "node-service", "--socket", str(socket)],
+                                  self.folder / name)
+            self.services.append(started)
+            started.wait_for_output("node service listening", timeout=60)
+            node_config = {**node_config, NODE_CONFIG_KEY: str(socket)}
         node = self._start(name, [*self.supernode_command(node_config, private_key), *extra], self.folder / name)
         self.supernodes.append(node)
         return node
@@ -322,13 +333,14 @@ class Deployment:
     # --- teardown ------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop every ``flwr run`` client still streaming, every SuperNode, then the SuperLink (process groups)."""
-        for process in [*self.runs, *self.supernodes, *self.superlinks]:
+        """Stop every ``flwr run`` client still streaming, every SuperNode and node service, then the SuperLink
+        (process groups)."""
+        for process in [*self.runs, *self.supernodes, *self.services, *self.superlinks]:
             process.stop()
 
     def leftovers(self, wait: float = 10.0) -> dict[str, list[str]]:
         """Process name → live members of its group, after up to ``wait`` s; empty once all have exited."""
-        started = [*self.superlinks, *self.supernodes, *self.runs]
+        started = [*self.superlinks, *self.supernodes, *self.services, *self.runs]
         deadline = time.monotonic() + wait
         while True:
             alive = {p.name: members for p in started if (members := p.leftovers())}

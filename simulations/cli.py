@@ -194,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--app", default=".", help="the Flower app folder (default: the current folder)")
     submit.add_argument("--run-config", metavar='"KEY=VALUE ..."', help="run-config overrides, as for flwr run")
     submit.set_defaults(run=_run_submit)
+    service = commands.add_parser(
+        "node-service", help="keep a SuperNode's task, data and model loaded across messages (Unix socket)",
+        description="Serve the project's ClientApp handlers on a Unix socket (mode 0600) until SIGTERM, so that a "
+        "SuperNode whose node config has node-service='PATH' does not import torch and rebuild its task for every "
+        "message (flwr starts a process per message). Start it beside the SuperNode, as the same user "
+        "(see fed_dp.clients.node_service).",
+    )
+    service.add_argument("--socket", required=True, metavar="PATH", help="the socket file to create")
+    service.set_defaults(run=_run_node_service)
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
         description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "
@@ -208,6 +217,16 @@ def _run_submit(args: argparse.Namespace) -> int:
     from fed_dp.server.submit import main as submit
 
     return submit(args.app, args.federation, args.run_config)
+
+
+def _run_node_service(args: argparse.Namespace) -> int:
+    import logging
+
+    from fed_dp.clients.node_service import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(args.socket)
+    return 0
 
 
 def _benchmark_arguments(parser: argparse.ArgumentParser) -> None:

@@ -72,8 +72,12 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     assert w1["epsilon"] == w1["flower_epsilon"] == epsilon(spec.privacy(), spec.rounds)
 
     deployment = results["deployment"]  # real SuperLink and SuperNode processes, Flower's echo app and the project's
-    assert deployment["nodes"] == 2 and len(deployment["echo_round_seconds"]) == len(deployment["fed_dp_round_seconds"]) == 2
+    assert deployment["nodes"] == 2
+    for name in ("echo", "fed_dp", "fed_dp_service"):
+        assert len(deployment[f"{name}_round_seconds"]) == 2 and deployment[f"{name}_median"] > 0
     assert deployment["ratio_to_echo"] == pytest.approx(deployment["fed_dp_median"] / deployment["echo_median"])
+    assert deployment["service_ratio_to_echo"] == pytest.approx(
+        deployment["fed_dp_service_median"] / deployment["echo_median"])
     assert "deployment rounds" in (out / "benchmark.txt").read_text()
 
     for row in results["scaling"]["rows"]:
