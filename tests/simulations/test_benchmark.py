@@ -48,7 +48,7 @@ def test_unknown_section_is_a_clear_error(tmp_path, capsys):
 
 def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     """`fed-dp benchmark --smoke`: Flower's DP simulation, the project's Flower apps, the engine's paths
-    and plain training on a tiny W1; scaling; a BandMF step; accounting; deployment rounds on 2 SuperNodes;
+    and plain training on a tiny W1; scaling; a BandMF step; accounting; deployment rounds on 1 SuperNode;
     saved JSON, text and figure."""
     out = tmp_path / "bench"
     assert cli_main(["benchmark", "--smoke", "--out", str(out)]) == 0
@@ -72,9 +72,9 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     assert w1["epsilon"] == w1["flower_epsilon"] == epsilon(spec.privacy(), spec.rounds)
 
     deployment = results["deployment"]  # real SuperLink and SuperNode processes, Flower's echo app and the project's
-    assert deployment["nodes"] == 2
+    assert deployment["nodes"] == 1
     for name in ("echo", "fed_dp", "fed_dp_service"):
-        assert len(deployment[f"{name}_round_seconds"]) == 2 and deployment[f"{name}_median"] > 0
+        assert len(deployment[f"{name}_round_seconds"]) == 1 and deployment[f"{name}_median"] > 0
     assert deployment["ratio_to_echo"] == pytest.approx(deployment["fed_dp_median"] / deployment["echo_median"])
     assert deployment["service_ratio_to_echo"] == pytest.approx(
         deployment["fed_dp_service_median"] / deployment["echo_median"])
