@@ -167,8 +167,9 @@ def l2_norm(vector: torch.Tensor) -> torch.Tensor:
     returning fl(fl(√S̃)·K) with K ≥ (1 − u)^−2.5·(1 − γ_h)^−½ (rounded up three ulps) is ≥ ‖x‖₂; and as
     S̃ ≤ (1 + γ_h)·S it is ≤ K²·‖x‖₂ = (1 + η)·‖x‖₂ (:func:`norm_relative_error`).
 
-    Cost: one float64 pass over x in blocks of 2^18 entries on the CPU (batched dot products); measured on 1 CPU thread 0.5 ns per
-    entry (16 ms at d = 3·10⁷), against 0.13 ns for ``torch.linalg.vector_norm`` and its −1.7·10⁻³ error.
+    Cost: one float64 pass over x in blocks of 2^18 entries on the CPU (batched dot products); measured on
+    1 CPU thread about 1 ns per entry (30 µs at W1's d = 25,578), against 0.13 ns for
+    ``torch.linalg.vector_norm`` and its −1.7·10⁻³ error at d = 3·10⁷.
     """
     if not isinstance(vector, torch.Tensor) or vector.ndim != 1 or not vector.dtype.is_floating_point:
         raise ValueError("vector must be a flat 1-D floating-point tensor (see fed_dp.flat.ParamLayout)")
@@ -254,7 +255,8 @@ def clip_update(update: torch.Tensor, clip_norm: float) -> ClipResult:
     _check_vector(update, "update")
     norm = l2_norm(update)
     clipped, _ = clip_vector(update, clip_norm, norm)
-    return ClipResult(update=update.clone() if clipped is update else clipped, norm=float(norm), clipped=bool(norm > clip_norm))
+    return ClipResult(update=update.clone() if clipped is update else clipped, norm=float(norm),
+                      clipped=bool(norm > clip_norm))
 
 
 def clip_rows(updates: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

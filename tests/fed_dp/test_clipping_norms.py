@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from fed_dp.clipping import CHUNK, clip_factor, clip_factors, clip_update, clip_vector, l2_norm, norm_relative_error, row_norms
+from fed_dp.clipping import (
+    CHUNK, clip_factor, clip_factors, clip_update, clip_vector, l2_norm, norm_relative_error, row_norms,
+)
 
 U = 2.0**-53
 
