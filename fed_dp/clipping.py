@@ -20,9 +20,11 @@ with such a reply.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 #: w: every float64 partial sum of :func:`row_norms` adds at most this many squares.
@@ -89,6 +91,7 @@ def _check_dim(dim: int) -> None:
                          "three levels of sums of 2^16 terms")
 
 
+@functools.lru_cache(maxsize=256)
 def _inflation(dim: int, dtype: torch.dtype) -> float:
     """K(d) of :func:`l2_norm`: the computed sqrt(S̃) times K is ≥ ‖x‖₂ (proof in ``l2_norm``)."""
     height = _sum_height(dim) + (1 if dtype == torch.float64 else 0)  # float64 squares round once
@@ -142,8 +145,8 @@ def row_norms(matrix: torch.Tensor) -> torch.Tensor:
     """Upper bounds of ‖row i‖₂ for an (n, d) floating-point matrix: an (n,) float64 tensor on its device,
     within a relative ``norm_relative_error(d)`` (≤ 2.2·10⁻¹¹) of the exact norms.
 
-    Same algorithm and bound as :func:`l2_norm`, row by row (bit-identical to ``l2_norm(matrix[i])`` for
-    d ≤ w = 2^16); rows of more than w entries go through ``l2_norm`` one at a time.
+    Same algorithm and bound as :func:`l2_norm`, row by row (batched dot products of the float64 rows for
+    d ≤ w = 2^16, in whatever order the batched product adds; ``l2_norm`` itself for longer rows).
     """
     if not isinstance(matrix, torch.Tensor) or matrix.ndim != 2 or not matrix.dtype.is_floating_point:
         raise ValueError("matrix must be an (n, d) floating-point tensor")
@@ -176,8 +179,9 @@ def l2_norm(vector: torch.Tensor) -> torch.Tensor:
     dim = vector.numel()
     _check_dim(dim)
     vector = vector.contiguous()
-    if dim <= CHUNK:
-        return _upper_bounds(_square_sums(vector.unsqueeze(0)), dim, vector.dtype)[0]
+    if dim <= CHUNK:  # one dot product of ≤ w exact squares: the same depth d − 1
+        wide = vector.to(torch.float64)
+        return _upper_bounds(torch.dot(wide, wide), dim, vector.dtype)
     full = dim // CHUNK * CHUNK
     partials = _square_sums(vector[:full].view(-1, CHUNK))  # one row per chunk of w entries
     if full < dim:
@@ -190,6 +194,32 @@ def _product_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _check_factor_args(clip_norm: float, dtype: torch.dtype) -> None:
+    if not (isinstance(clip_norm, (int, float)) and 0 <= clip_norm < float("inf")):
+        raise ValueError(f"clip_norm must be a finite number >= 0, got {clip_norm!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64 (clip in float32 or wider), got {dtype}")
+
+
+@functools.lru_cache(maxsize=64)
+def _margins(dim: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(T', M, A) of :func:`clip_factors` for this length and product dtype (floats rounded up)."""
+    eta = norm_relative_error(dim, dtype)
+    p, absolute = (_U32, 2.0**-120) if dtype == torch.float32 else (0.0, 2.0**-1000)
+    # 3 ulps up (6u) cover the rounding of 1 + η, of the products, and the (1 + u) that 1 + 2⁻⁵³ cannot hold
+    return _round_up((1 + eta) * (1 + 2 * _U64)), _round_up((1 + eta) * (1 + p)), absolute
+
+
+def _limits(clip_norm: float, dim: int | None, dtype: torch.dtype) -> tuple[float, float]:
+    """(L, c): keep a vector whose bound N̄ ≤ L; otherwise f = c/N̄ (before rounding into ``dtype``).
+
+    L = fl(ζ/T') and c = fl(fl(fl(ζ − A)/M)·(1 − 4u)): every rounding is accounted for in
+    :func:`clip_factors`' argument."""
+    _check_factor_args(clip_norm, dtype)
+    keep, margin, absolute = _margins(MAX_DIM if dim is None else dim, dtype)
+    return clip_norm / keep, max(clip_norm - absolute, 0.0) / margin * (1 - 4 * _U64)
+
+
 def clip_factors(norms: torch.Tensor, clip_norm: float, *, dim: int | None = None,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Factors f ∈ [0, 1] (float64 tensor, values representable in ``dtype``) such that for every vector x
@@ -200,35 +230,42 @@ def clip_factors(norms: torch.Tensor, clip_norm: float, *, dim: int | None = Non
     or in float64 and then rounded to float32. ``dim`` is the vectors' length (None: any length ≤ 2^48, a
     margin 2·10⁻¹¹ instead of η(d)). ``clip_norm`` may be 0 (every nonzero vector gets f = 0).
 
-    Argument, with η = η(d) of :func:`norm_relative_error` and p = 2⁻²⁴ (float32) or 0 (float64):
+    Argument, with η = η(d) of :func:`norm_relative_error`, u = 2⁻⁵³ and p = 2⁻²⁴ (float32) or 0 (float64):
 
-    * f = 1 where fl(N̄·T) ≤ ζ, T = (1 + η)(1 + 2u) rounded up: then v = x and
+    * f = 1 where N̄ ≤ L = fl(ζ/T'), T' ≥ (1 + η)(1 + u): then N̄(1 + η) ≤ ζ(1 + η)(1 + u)/T' ≤ ζ, v = x and
       l2_norm(v) ≤ (1 + η)‖x‖ ≤ (1 + η)N̄ ≤ ζ;
-    * otherwise f = (ζ − A)/(N̄·M) with M = (1 + η)(1 + p)(1 + u) rounded up, computed in float64 (three
-      roundings, so the result times (1 − 4u) is ≤ the exact quotient) and rounded DOWN into ``dtype``'s
-      grid (so multiplying in either precision uses exactly f). Each coordinate of v is f·x_j rounded at
-      most twice, |v_j| ≤ (1 + p)(1 + u)|f·x_j| + a (a < 2⁻¹⁴⁹ for a product landing among float32
-      subnormals), so ‖v‖ ≤ (1 + p)(1 + u)·f·N̄ + √d·a and l2_norm(v) ≤ (1 + η)‖v‖ ≤ ζ − A + A = ζ with
-      A = 2⁻¹²⁰ ≥ (1 + η)·√(2^48)·2⁻¹⁴⁹ (float32; 2⁻¹⁰⁰⁰ for float64).
+    * otherwise f = fl(c/N̄) with c = fl(fl(fl(ζ − A)/M)·(1 − 4u)) and M ≥ (1 + η)(1 + p)(1 + u): four
+      roundings up of at most (1 + u) each against (1 − 4u), so f ≤ (ζ − A)/(N̄·M); then f is rounded DOWN
+      into ``dtype``'s grid (so multiplying in either precision uses exactly f). Each coordinate of v is
+      f·x_j rounded at most twice, |v_j| ≤ (1 + p)(1 + u)|f·x_j| + a (a < 2⁻¹⁴⁹ for a product landing among
+      float32 subnormals), so ‖v‖ ≤ (1 + p)(1 + u)·f·N̄ + √d·a and l2_norm(v) ≤ (1 + η)‖v‖ ≤ ζ − A + A = ζ
+      with A = 2⁻¹²⁰ ≥ (1 + η)·√(2^48)·2⁻¹⁴⁹ (float32; 2⁻¹⁰⁰⁰ for float64).
 
-    The margin below ζ of a clipped vector is thus ≤ η + p + u + one ulp of f: at most 1.8·10⁻⁷ relative
+    The margin below ζ of a clipped vector is thus ≤ η + p + 6u + one ulp of f: at most 1.8·10⁻⁷ relative
     for float32 (about 9·10⁻⁸ on average), 3·10⁻¹¹ for float64; an unclipped vector is left unchanged.
+    One vector's factor is also available as a Python float (:func:`clip_vector`, same formula and bits).
     """
-    if not (isinstance(clip_norm, (int, float)) and 0 <= clip_norm < float("inf")):
-        raise ValueError(f"clip_norm must be a finite number >= 0, got {clip_norm!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64 (clip in float32 or wider), got {dtype}")
+    limit, numerator = _limits(clip_norm, dim, dtype)
     norms = torch.as_tensor(norms, dtype=torch.float64)
-    eta = norm_relative_error(MAX_DIM if dim is None else dim, dtype)
-    keep = _round_up((1 + eta) * (1 + 2 * _U64))
-    p, absolute = (_U32, 2.0**-120) if dtype == torch.float32 else (0.0, 2.0**-1000)
-    margin = _round_up((1 + eta) * (1 + p) * (1 + _U64))
-    quotient = (max(clip_norm - absolute, 0.0) / (norms * margin)).mul_(1 - 4 * _U64).clamp_(max=1.0)
+    # a true division (``scalar / tensor`` would multiply by a rounded reciprocal: two roundings)
+    quotient = torch.full_like(norms, numerator).div_(norms).clamp_(max=1.0)
     if dtype == torch.float32:  # round down into float32: nearest, then one step towards 0 if it went up
         nearest = quotient.to(torch.float32)
         quotient = torch.where(nearest.double() > quotient, torch.nextafter(nearest, torch.zeros_like(nearest)),
                                nearest).double()
-    return torch.where(norms * keep <= clip_norm, torch.ones_like(quotient), quotient)
+    return torch.where(norms <= limit, 1.0, quotient)
+
+
+def _clip_factor_of(norm: float, clip_norm: float, dim: int, dtype: torch.dtype) -> float:
+    """:func:`clip_factors` of one bound, in Python floats (no tensor operations: the per-user path)."""
+    limit, numerator = _limits(clip_norm, dim, dtype)
+    if norm <= limit:
+        return 1.0
+    quotient = min(numerator / norm, 1.0)
+    if dtype == torch.float32:
+        nearest = float(np.float32(quotient))
+        return float(np.nextafter(np.float32(nearest), np.float32(0))) if nearest > quotient else nearest
+    return quotient
 
 
 def clip_factor(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
@@ -236,16 +273,16 @@ def clip_factor(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
     return clip_factors(norms, clip_norm)
 
 
-def clip_vector(vector: torch.Tensor, bound: float, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+def clip_vector(vector: torch.Tensor, bound: float, norm: float | None = None) -> tuple[torch.Tensor, bool]:
     """(v, scaled): ``vector`` itself when l2_norm(vector) ≤ bound, else fl(f·vector) with the factor of
     :func:`clip_factors`, so ``l2_norm(v) ≤ bound`` always. Computed and returned in float32 or wider
     (bfloat16/float16 input is promoted to float32). ``norm``: its ``l2_norm`` if already computed."""
     dtype = _product_dtype(vector.dtype)
-    norm = l2_norm(vector) if norm is None else norm
-    factor = clip_factors(norm, bound, dim=vector.numel(), dtype=dtype)
-    if bool(factor == 1):
+    norm = float(l2_norm(vector)) if norm is None else norm
+    factor = _clip_factor_of(norm, bound, vector.numel(), dtype)
+    if factor == 1.0:
         return vector.to(dtype), False
-    return vector.to(dtype) * factor.to(dtype), True
+    return vector.to(dtype) * factor, True
 
 
 def clip_update(update: torch.Tensor, clip_norm: float) -> ClipResult:
@@ -253,10 +290,9 @@ def clip_update(update: torch.Tensor, clip_norm: float) -> ClipResult:
     tensor (or ``update`` itself when it is within ζ), float32 for bfloat16/float16 input."""
     _check_clip_norm(clip_norm)
     _check_vector(update, "update")
-    norm = l2_norm(update)
+    norm = float(l2_norm(update))
     clipped, _ = clip_vector(update, clip_norm, norm)
-    return ClipResult(update=update.clone() if clipped is update else clipped, norm=float(norm),
-                      clipped=bool(norm > clip_norm))
+    return ClipResult(update=update.clone() if clipped is update else clipped, norm=norm, clipped=norm > clip_norm)
 
 
 def clip_rows(updates: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

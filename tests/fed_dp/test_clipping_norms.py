@@ -67,7 +67,8 @@ def test_row_norms_equal_l2_norm_of_each_row(dim):
     rows = torch.randn(5, dim, generator=g) * torch.tensor([1e-3, 1, 0, 1e3, 7]).unsqueeze(1)
     norms = row_norms(rows)
     assert norms.dtype == torch.float64 and norms.shape == (5,)
-    assert torch.equal(norms, torch.stack([l2_norm(row) for row in rows]))
+    singles = torch.stack([l2_norm(row) for row in rows])  # same bound; the float64 additions may differ
+    torch.testing.assert_close(norms, singles, rtol=2 * norm_relative_error(dim), atol=0)
     assert row_norms(torch.zeros(0, dim)).shape == (0,)
 
 
@@ -96,6 +97,21 @@ def test_clip_factors_are_tight():
     for dtype, margin in ((torch.float32, 2.0**-24 + 2.0**-23 + 1e-10), (torch.float64, 1e-10)):
         factors = clip_factors(norms, 1.0, dim=1000, dtype=dtype)
         assert bool(((factors * norms) >= 1 - margin).all()) and bool(((factors * norms) < 1).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_vector_gets_the_same_factor_as_the_tensor_path(dtype):
+    """clip_vector's per-user factor (Python floats) and clip_factors (tensors) are the same numbers."""
+    from fed_dp.clipping import _clip_factor_of
+
+    g = torch.Generator().manual_seed(4)
+    norms = torch.cat([torch.logspace(-40, 40, 300, dtype=torch.float64),
+                       1.0 + torch.randn(300, generator=g, dtype=torch.float64) * 1e-9,
+                       torch.tensor([0.0, 1.0, math.inf], dtype=torch.float64)])
+    for clip_norm, dim in ((1.0, 1_000), (3.7e-3, 10**8), (0.0, 5)):
+        tensor = clip_factors(norms, clip_norm, dim=dim, dtype=dtype)
+        scalar = [_clip_factor_of(n, clip_norm, dim, dtype) for n in norms.tolist()]
+        assert tensor.tolist() == scalar
 
 
 def test_clip_factors_edge_cases_and_refusals():
