@@ -163,7 +163,7 @@ def l2_norm(vector: torch.Tensor) -> torch.Tensor:
     Algorithm: the squares x_j² in float64 (exact for float32/bfloat16/float16 input), summed over chunks of
     w = 2^16 consecutive entries, the chunk sums summed in groups of ≤ w (one level up to d = 2^32, two up to
     2^48). Whatever order torch adds in, each square goes through at most h = Σ_levels (terms − 1) float64
-    additions (h = d − 1 for d ≤ w; 67,061 at d = 10⁸), so the computed sum S̃ satisfies
+    additions (h = d − 1 for d ≤ w; 67,060 at d = 10⁸), so the computed sum S̃ satisfies
     |S̃ − S| ≤ γ_h·S with γ_h = hu/(1 − hu), u = 2⁻⁵³ (Higham, *Accuracy and Stability of Numerical
     Algorithms*, 2002, §4.2, eq. 4.4 for any summation order; +1 to h for float64 input, whose squares
     round). Hence ‖x‖₂ = √S ≤ √(S̃/(1 − γ_h)). The square root and the final product each round by ≤ u, so
