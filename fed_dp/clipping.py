@@ -164,9 +164,10 @@ def l2_norm(vector: torch.Tensor) -> torch.Tensor:
     w = 2^16 consecutive entries, the chunk sums summed in groups of ≤ w (one level up to d = 2^32, two up to
     2^48). Whatever order torch adds in, each square goes through at most h = Σ_levels (terms − 1) float64
     additions (h = d − 1 for d ≤ w; 67,060 at d = 10⁸), so the computed sum S̃ satisfies
-    |S̃ − S| ≤ γ_h·S with γ_h = hu/(1 − hu), u = 2⁻⁵³ (Higham, *Accuracy and Stability of Numerical
-    Algorithms*, 2002, §4.2, eq. 4.4 for any summation order; +1 to h for float64 input, whose squares
-    round). Hence ‖x‖₂ = √S ≤ √(S̃/(1 − γ_h)). The square root and the final product each round by ≤ u, so
+    |S̃ − S| ≤ γ_h·S with γ_h = hu/(1 − hu), u = 2⁻⁵³: each term is multiplied by at most h factors
+    (1 + δ), |δ| ≤ u, and a product of h such factors is 1 + θ with |θ| ≤ γ_h (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2nd ed. 2002, Lemma 3.1 and §4.2; +1 to h for float64 input, whose
+    squares round). Hence ‖x‖₂ = √S ≤ √(S̃/(1 − γ_h)). The square root and the final product each round by ≤ u, so
     returning fl(fl(√S̃)·K) with K ≥ (1 − u)^−2.5·(1 − γ_h)^−½ (rounded up three ulps) is ≥ ‖x‖₂; and as
     S̃ ≤ (1 + γ_h)·S it is ≤ K²·‖x‖₂ = (1 + η)·‖x‖₂ (:func:`norm_relative_error`).
 
