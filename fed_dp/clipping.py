@@ -300,7 +300,8 @@ def clip_rows(updates: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, to
     """Clip every row of an (n, d) matrix of user updates; returns (clipped rows, float64 norms before).
 
     One pass of :func:`row_norms` and one product for a whole cohort (the vectorized path of the simulation
-    engine); row i of the result equals ``clip_update(updates[i], ζ).update``.
+    engine), with the guarantee of :func:`clip_factors` for every row; row i is ``clip_update(updates[i],
+    ζ).update`` up to the order of the norm's float64 additions (rarely one float32 ulp of the factor).
     """
     _check_clip_norm(clip_norm)
     if updates.ndim != 2:
