@@ -28,7 +28,7 @@ from flwr.app import Message
 from fed_dp.clients import protocol
 from fed_dp.clients.task import Task, Users
 from fed_dp.clients.training import keep_freed_memory, resolve_device, use_fast_format
-from fed_dp.clients.vectorized import Path, contribution, select_path
+from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 from fed_dp.contribution import Contribution
@@ -141,4 +141,4 @@ def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] 
         round_index=request.round, users=request.users, params=trainer.flat_params(request.params),
         clip_norm=request.clip_norm, scale=request.scale, send_squares=request.send_squares, seed=request.seed,
     )
-    return protocol.make_train_reply(msg, request, result, {**metrics, "vectorized": float(path == "vectorized")})
+    return protocol.make_train_reply(msg, request, result, {**metrics, **path_metrics(path)})

@@ -34,6 +34,7 @@ from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.clients.evaluation import evaluate_params, load_params
 from fed_dp.clients.node import LocalTrainer
+from fed_dp.clients.vectorized import path_metrics
 from fed_dp.clients.task import Task, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
@@ -149,7 +150,7 @@ def train(
             result, metrics, path = trainer.contribution(
                 round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
                 scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
-            return RoundReplies([_on_cpu(result)], metrics={"vectorized": float(path == "vectorized")},
+            return RoundReplies([_on_cpu(result)], metrics=path_metrics(path),
                                 nonprivate=metrics)  # train_loss, mean_update_norm, fraction_clipped
 
         evaluate = None
