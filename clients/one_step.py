@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -175,16 +175,27 @@ class _Dense(_PerUser):
 
 @dataclass
 class _Outer(_PerUser):
-    """G_u = Σ_q δ_{u,q} x_{u,q}ᵀ with x: (C, Q, k) and δ: (C, Q, o); the parameter is (o, k) row-major."""
+    """G_u = Σ_q δ_{u,q} x_{u,q}ᵀ with x: (C, Q, k) and δ: (C, Q, o); the parameter is (o, k) row-major.
+
+    Where G_u must be materialized, it is, for blocks of users whose gradients take at most ``block_bytes``."""
 
     x: torch.Tensor
     d: torch.Tensor
+    block_bytes: int = 64 * 2**20
 
     def _rank_one(self) -> bool:
         return self.x.shape[1] == 1
 
+    def _blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(users, their G_u as (c, o·k)) for consecutive blocks of users."""
+        per_user = self.x.shape[2] * self.d.shape[2] * self.x.element_size()
+        size = max(1, self.block_bytes // per_user)
+        for start in range(0, self.x.shape[0], size):
+            users = slice(start, start + size)
+            yield users, torch.bmm(self.d[users].transpose(1, 2), self.x[users]).flatten(1)
+
     def dense(self) -> torch.Tensor:
-        return torch.bmm(self.d.transpose(1, 2), self.x).flatten(1)
+        return torch.cat([grads for _, grads in self._blocks()])
 
     def norm_sq(self, scale_sq):
         if self._rank_one():  # ‖δ xᵀ‖² = ‖δ‖²‖x‖²; with s: Σ_jk s²_jk δ_j² x_k² = (δ²)ᵀ S² (x²)
@@ -197,7 +208,7 @@ class _Outer(_PerUser):
             gram_x = torch.bmm(self.x, self.x.transpose(1, 2)).double()
             gram_d = torch.bmm(self.d, self.d.transpose(1, 2)).double()
             return (gram_x * gram_d).sum((1, 2))
-        return _Dense(self.dense()).norm_sq(scale_sq)
+        return torch.cat([_Dense(grads).norm_sq(scale_sq) for _, grads in self._blocks()])
 
     def ghost_cheaper(self) -> bool:
         """Gram matrices (Q² (k + o) per user) against the gradient itself (Q k o per user)."""
@@ -209,9 +220,10 @@ class _Outer(_PerUser):
         return (weighted.flatten(0, 1).T @ self.x.flatten(0, 1)).flatten()
 
     def weighted_squares(self, w_sq):
+        w_sq = w_sq.to(self.d.dtype)
         if self._rank_one():  # Σ_u w_u² (δ_u²)(x_u²)ᵀ
-            return ((self.d[:, 0].square() * w_sq.to(self.d.dtype).unsqueeze(1)).T @ self.x[:, 0].square()).flatten()
-        return _Dense(self.dense()).weighted_squares(w_sq)
+            return ((self.d[:, 0].square() * w_sq.unsqueeze(1)).T @ self.x[:, 0].square()).flatten()
+        return sum(w_sq[users] @ grads.square() for users, grads in self._blocks())
 
 
 @dataclass

@@ -275,3 +275,40 @@ def test_next_token_terms_add_up_with_and_without_mask():
     for batch in ((tokens,), (tokens, mask)):
         a, b = next_token.per_example(model, batch)
         torch.testing.assert_close(a.sum() / b.sum().clamp(min=1), next_token(model, batch))
+
+
+@pytest.mark.parametrize("positions", [1, 3, 40])  # rank one, ghost (Gram) and materialized
+@pytest.mark.parametrize("block_bytes", [4, 64 * 2**20])  # one user per block / all at once
+def test_outer_product_gradients_against_explicit_ones(positions, block_bytes):
+    """‖s ⊙ G_u‖², Σ w_u G_u and Σ w_u² G_u² of G_u = Σ_q δ_q x_qᵀ, each form against G_u built explicitly."""
+    g = torch.Generator().manual_seed(positions)
+    x, d = torch.randn(6, positions, 5, generator=g), torch.randn(6, positions, 4, generator=g)
+    explicit = torch.einsum("cqo,cqk->cok", d, x).flatten(1).double()
+    grads = one_step._Outer(x, d, block_bytes=block_bytes)
+    w = torch.rand(6, generator=g)
+    s2 = torch.rand(20, generator=g, dtype=torch.float64) + 0.5
+    torch.testing.assert_close(grads.norm_sq(None), explicit.square().sum(1))
+    torch.testing.assert_close(grads.norm_sq(s2.float()), (explicit.square() * s2).sum(1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads.weighted_sum(w).double(), w.double() @ explicit, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads.weighted_squares(w.square()).double(), w.double().square() @ explicit.square(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_rows_against_explicit_gradients():
+    """An embedding's per-user gradient rows (repeated tokens summed) against a dense per-user gradient."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 5, (3, 4), generator=g)  # 3 users, 4 positions, tokens repeat
+    d = torch.randn(3, 4, 2, generator=g)
+    explicit = torch.zeros(3, 5, 2, dtype=torch.float64)
+    for u in range(3):
+        for q in range(4):
+            explicit[u, tokens[u, q]] += d[u, q].double()
+    module = nn.Embedding(5, 2)
+    call = one_step._Call(module, tokens, torch.empty(0), (0, 0), grad=d)
+    rows = one_step._embedding(call, 3)["weight"]
+    w = torch.rand(3, generator=g)
+    explicit = explicit.flatten(1)
+    torch.testing.assert_close(rows.norm_sq(None), explicit.square().sum(1))
+    torch.testing.assert_close(rows.weighted_sum(w).double(), w.double() @ explicit, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows.weighted_squares(w.square()).double(), w.double().square() @ explicit.square(),
+                               rtol=1e-5, atol=1e-6)
