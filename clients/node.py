@@ -12,8 +12,9 @@ A ClientApp of your own needs two handlers (the project's own ``fed_dp.clients.a
     def train(msg, context):
         return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))
 
-:class:`LocalTrainer` builds the task's model once and trains a round's users on its device, vectorized over
-users or one at a time (``fed_dp.clients.vectorized.contribution``); the in-process engine uses the same
+:class:`LocalTrainer` builds the task's model once and trains a round's users on its device, without a model
+per user when their update is one gradient step (``fed_dp.clients.one_step``), else vectorized over users or one
+at a time (``fed_dp.clients.vectorized.contribution``); the in-process engine uses the same
 class, so a simulation and a Flower run compute the same contributions.
 """
 
@@ -75,7 +76,8 @@ def hosted_users(node_config: Mapping[str, Any], num_users: int) -> Sequence[int
 class LocalTrainer:
     """Trains a node's sampled users of ``task`` with ``local`` training on ``device``.
 
-    ``training``: ``"auto"`` (vectorized over users on CUDA, one at a time on the CPU), ``"vectorized"`` or
+    ``training``: ``"auto"`` (users whose update is one full-batch step on ``clients.one_step``, the others
+    vectorized over users on CUDA, one at a time on the CPU), ``"vectorized"`` or
     ``"sequential"``; ``chunk_size`` bounds the users of one vectorized call. The model is built once; every
     round loads the broadcast θ into it. In-memory users are moved to the device once.
     """

@@ -7,8 +7,8 @@
 It runs the one round loop of every engine (``fed_dp.server.round_loop.run_rounds``: budget, checkpoints,
 stop conditions, evaluation) with one difference from a Flower run: the plan reaches the users by a function
 call instead of messages. This process acts as one node hosting every user: ``fed_dp.clients.node.LocalTrainer``
-(the class a ClientApp uses) trains the sampled users — vectorized over users on CUDA, one at a time on the
-CPU — and replies with the sum of their clipped updates and their count. Noise, the fixed denominator, the
+(the class a ClientApp uses) trains the sampled users — without a model per user when their update is one
+gradient step, else vectorized over users on CUDA and one at a time on the CPU — and replies with the sum of their clipped updates and their count. Noise, the fixed denominator, the
 optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is re-implemented here.
 
 Under ``torchrun`` (an initialized ``torch.distributed`` group of several processes) rank 0 runs the loop and
