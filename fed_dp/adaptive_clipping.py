@@ -1,6 +1,8 @@
 """Adaptive clipping to a target quantile of user-update norms (Andrew et al. 2021; ALGORITHMS §4).
 
-Each sampled user also reports the bit 1[‖Δ_i‖ ≤ ζ_t]. The server releases the centered bit sum
+Each sampled user also reports the bit 1[‖Δ_i‖ ≤ ζ_t], computed by the clip from ``fed_dp.clipping.l2_norm``
+(an upper bound within 2.2·10⁻¹¹ of ‖Δ_i‖; float32 reductions would under-estimate large norms and count
+clipped users as unclipped). The server releases the centered bit sum
 Σ(b_i − ½) + N(0, σ_b²) (sensitivity ½ under add/remove of one user, so its noise multiplier is 2σ_b),
 forms b̃_t = (Σ(b_i − ½) + noise)/B + ½ and moves the clip norm geometrically:
 

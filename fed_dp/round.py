@@ -28,6 +28,7 @@ import torch
 from fed_dp.accounting import PrivacyLedger
 from fed_dp.adaptive_clipping import AdaptiveClipConfig, AdaptiveClipper, check_compatible, update_noise_multiplier
 from fed_dp.aggregation import average_noise_variance, private_average, unscale
+from fed_dp.clipping import clip_vector
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import in_simulation, reported_epsilon
 from fed_dp.contribution import Contribution, RoundPlan
@@ -37,9 +38,6 @@ from fed_dp.noise import Privatizer, make_privatizer
 from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
 from fed_dp.randomness import derive_seed
 from fed_dp.sampling import Sampler, make_sampler
-
-#: Relative slack when checking a reply's norm against count·ζ (float32 rounding of an honest clip).
-NORM_SLACK = 1e-5
 
 
 @dataclass
@@ -215,24 +213,24 @@ def _rejection(c: Contribution, dim: int, plan: RoundPlan) -> str | None:
     return None
 
 
-def _reclip(vector: torch.Tensor, bound: float) -> tuple[torch.Tensor, bool]:
-    """Scale ``vector`` to L2 norm ≤ bound; returns (vector, whether it had to be clipped)."""
-    norm = float(torch.linalg.vector_norm(vector))
-    if norm <= bound * (1 + NORM_SLACK):
-        return vector, False
-    return vector * (bound / norm), True
-
-
 def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, device, dtype):
     """Validate and re-clip the contributions; return (Σu, Σu² or None, users counted, metrics).
 
     A contribution that is not a valid answer to ``plan`` (wrong shape or dtype, NaN/Inf, a bad count, no clip
     bits under adaptive clipping, more users than sampled) raises ValueError: engines turn what arrives over a
     network into contributions first and drop what they cannot read (``fed_dp.clients.protocol``), so an
-    invalid contribution here is a programming error. An oversized one is re-clipped (enforcement of ζ).
+    invalid contribution here is a programming error. An oversized one is re-clipped (enforcement of ζ):
+    ``fed_dp.clipping.clip_vector`` leaves a sum whose ``l2_norm`` is ≤ count·ζ as it came and scales a
+    larger one by the clip's guaranteed factor, without slack, so an honest node's sum of one clipped update is
+    never scaled and a dishonest node gains nothing from rounding.
+
+    Each contribution is enforced in its own precision, float32 or wider (never in bfloat16/float16, never
+    after a narrowing that could overflow), and the sums are accumulated in float64, then
+    rounded once to ``dtype``: the sum over nodes adds no rounding that grows with their number (README,
+    "Floating point").
     """
-    total = torch.zeros(dim, device=device, dtype=dtype)
-    squares = torch.zeros(dim, device=device, dtype=dtype) if plan.send_squares else None
+    total = torch.zeros(dim, device=device, dtype=torch.float64)
+    squares = torch.zeros(dim, device=device, dtype=torch.float64) if plan.send_squares else None
     counted, reclipped, unclipped = 0, 0, 0
     for c in contributions:
         if not isinstance(c, Contribution):
@@ -242,17 +240,17 @@ def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, devi
             reason = f"more users ({counted + c.count}) than the {plan.cohort.numel()} sampled"
         if reason is not None:
             raise ValueError(f"invalid contribution from {c.source or 'a node'} in round {plan.round + 1}: {reason}")
-        clipped, was_clipped = _reclip(c.total.to(device, dtype), c.count * plan.clip_norm)
+        clipped, was_clipped = clip_vector(c.total.to(device), c.count * plan.clip_norm)
         reclipped += was_clipped
         total += clipped
         if squares is not None:
-            sq, was_clipped = _reclip(c.total_squares.to(device, dtype), c.count * plan.clip_norm**2)
+            sq, was_clipped = clip_vector(c.total_squares.to(device), c.count * plan.clip_norm**2)
             reclipped += was_clipped
             squares += sq
         counted += c.count
         unclipped += c.unclipped if plan.send_clip_bits else 0
     metrics = {"replied_users": counted, "reclipped_replies": reclipped, "unclipped_users": unclipped}
-    return total, squares, counted, metrics
+    return total.to(dtype), None if squares is None else squares.to(dtype), counted, metrics
 
 
 def finish_round(
