@@ -27,6 +27,13 @@ stored inputs (book-keeping: no second backward pass). Where the Gram matrix ove
 more than the gradient itself (long sequences), or where the per-coordinate geometry of scale-then-privatize or
 the squares of moment estimation need G_u, G_u is materialized for a chunk of users at a time.
 
+The clip holds in floating point, as on the other paths (``fed_dp.clipping``): each user's norm N̄_u is an upper
+bound of ‖Δ_u‖ computed in float64 with a proved error term (:class:`_SquaredNorms`: squares of float32 values
+are exact in float64, sums of n nonnegative terms err by γ_n relative, Gram sums — where cancellation can occur —
+by γ·P_u² absolute with P_u = Σ_q ‖x_q‖‖δ_q‖ ≥ ‖G_u‖), the factor comes from ``clip_factors`` and is rounded
+towards 0 into float32, so the exact norm of w_u·G_u is at most ζ; the float32 sums over users are the node's
+sum, whose rounding the README's clipping section bounds.
+
 Results equal the sequential path's (``clients.training.users_contribution``) up to float32 rounding (the tests
 compare them per layer type). What this path cannot train is said once in the log and those users go the usual
 way: layers with parameters other than Linear, Embedding, Conv1d/2d, LayerNorm and GroupNorm; parameters used
@@ -49,7 +56,7 @@ from torch.nn import functional as F
 
 from fed_dp.clients.task import Examples, Loss
 from fed_dp.clients.training import UserExamples, check_finite_loss
-from fed_dp.clipping import clip_factor
+from fed_dp.clipping import clip_factors, round_down_float32
 from fed_dp.config import LocalTraining
 from fed_dp.contribution import Contribution
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
@@ -143,10 +150,44 @@ class _Recorder:
 
 # --- per-user gradients of one parameter, in the form that makes them cheapest ----------------------------------
 
+_U64 = 2.0**-53  # unit roundoff of float64
+
+
+@dataclass(frozen=True)
+class _SquaredNorms:
+    """Computed ‖s ⊙ G_u‖² of the users of a chunk (``value``, float64) with an error bound: the exact value is at
+    most ``value + error``. ``terms``: the most float64 operations any one result went through (for γ)."""
+
+    value: torch.Tensor
+    error: torch.Tensor
+
+    def __add__(self, other: "_SquaredNorms") -> "_SquaredNorms":
+        return _SquaredNorms(self.value + other.value, self.error + other.error)
+
+
+def _gamma(operations: int) -> float:
+    """γ_h = h·u/(1 − h·u): the relative error bound of h float64 operations on the way to a result (Higham 2002,
+    §3.1, for sums in any order and products)."""
+    h = operations * _U64
+    return h / (1 - h)
+
+
+def _exact_squares(t: torch.Tensor) -> torch.Tensor:
+    """t² in float64: exact for float32 (and narrower) input, whose 24-bit significands square into 48 bits."""
+    return t.double().square()
+
+
+def _summed(squares: torch.Tensor, dim) -> _SquaredNorms:
+    """Σ of nonnegative float64 terms along ``dim``, each term within γ_3 of exact: error ≤ γ_(n+3)·value."""
+    value = squares.sum(dim)
+    n = math.prod(squares.shape[d] for d in ((dim,) if isinstance(dim, int) else dim))
+    return _SquaredNorms(value, value * _gamma(n + 3))
+
+
 class _PerUser:
     """The gradients G_u of one parameter for the C users of a chunk (row-major over the parameter's shape)."""
 
-    def norm_sq(self, scale_sq: torch.Tensor | None) -> torch.Tensor:  # (C,) float64: ‖s ⊙ G_u‖²
+    def norm_sq(self, scale_sq: torch.Tensor | None) -> _SquaredNorms:  # ‖s ⊙ G_u‖², bounded
         raise NotImplementedError
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:  # Σ_u w_u G_u, flat
@@ -158,13 +199,13 @@ class _PerUser:
 
 @dataclass
 class _Dense(_PerUser):
-    """G_u materialized: (C, numel)."""
+    """G_u materialized: (C, numel). The node's sum is built from these very values."""
 
     grads: torch.Tensor
 
     def norm_sq(self, scale_sq):
-        g2 = self.grads.square()
-        return (g2 if scale_sq is None else g2 * scale_sq).sum(1, dtype=torch.float64)
+        squares = _exact_squares(self.grads)
+        return _summed(squares if scale_sq is None else squares * scale_sq.double(), 1)
 
     def weighted_sum(self, w):
         return w @ self.grads
@@ -177,7 +218,11 @@ class _Dense(_PerUser):
 class _Outer(_PerUser):
     """G_u = Σ_q δ_{u,q} x_{u,q}ᵀ with x: (C, Q, k) and δ: (C, Q, o); the parameter is (o, k) row-major.
 
-    Where G_u must be materialized, it is, for blocks of users whose gradients take at most ``block_bytes``."""
+    The node's sum is one product over every user's rows, so the bound must hold for the exact G_u of these
+    float32 inputs: with P_u = Σ_q ‖x_q‖‖δ_q‖ ≥ ‖G_u‖, the rank-one form is exact up to roundings of
+    nonnegative terms, the Gram form errs by at most γ·P_u² (cancellation is covered: the bound is absolute), and
+    a G_u built in float64 errs by at most γ_Q·P_u in norm. Where G_u must be materialized, it is, in float64, for
+    blocks of users whose gradients take at most ``block_bytes``."""
 
     x: torch.Tensor
     d: torch.Tensor
@@ -186,29 +231,47 @@ class _Outer(_PerUser):
     def _rank_one(self) -> bool:
         return self.x.shape[1] == 1
 
-    def _blocks(self) -> Iterator[tuple[slice, torch.Tensor]]:
-        """(users, their G_u as (c, o·k)) for consecutive blocks of users."""
-        per_user = self.x.shape[2] * self.d.shape[2] * self.x.element_size()
+    def _blocks(self, dtype: torch.dtype = FLAT_DTYPE) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(users, their G_u as (c, o·k) in ``dtype``) for consecutive blocks of users."""
+        per_user = self.x.shape[2] * self.d.shape[2] * (8 if dtype == torch.float64 else self.x.element_size())
         size = max(1, self.block_bytes // per_user)
         for start in range(0, self.x.shape[0], size):
             users = slice(start, start + size)
-            yield users, torch.bmm(self.d[users].transpose(1, 2), self.x[users]).flatten(1)
+            x, d = self.x[users].to(dtype), self.d[users].to(dtype)
+            yield users, torch.bmm(d.transpose(1, 2), x).flatten(1)
 
     def dense(self) -> torch.Tensor:
         return torch.cat([grads for _, grads in self._blocks()])
 
+    def _p(self) -> torch.Tensor:
+        """P_u = Σ_q ‖x_q‖‖δ_q‖ (an upper bound of ‖G_u‖ and of the sum of |entries| the roundings scale with)."""
+        x2 = _summed(_exact_squares(self.x), 2)
+        d2 = _summed(_exact_squares(self.d), 2)
+        return ((x2.value + x2.error) * (d2.value + d2.error)).sqrt().sum(1) * (1 + _gamma(self.x.shape[1] + 4))
+
     def norm_sq(self, scale_sq):
+        q, k, o = self.x.shape[1], self.x.shape[2], self.d.shape[2]
         if self._rank_one():  # ‖δ xᵀ‖² = ‖δ‖²‖x‖²; with s: Σ_jk s²_jk δ_j² x_k² = (δ²)ᵀ S² (x²)
-            x2, d2 = self.x[:, 0].square(), self.d[:, 0].square()
+            x2, d2 = _exact_squares(self.x[:, 0]), _exact_squares(self.d[:, 0])
             if scale_sq is None:
-                return x2.sum(1, dtype=torch.float64) * d2.sum(1, dtype=torch.float64)
-            s2 = scale_sq.view(self.d.shape[2], self.x.shape[2])
-            return ((d2 @ s2) * x2).sum(1, dtype=torch.float64)
-        if scale_sq is None and self.ghost_cheaper():  # Σ_{q,r} (x_qᵀx_r)(δ_qᵀδ_r)
-            gram_x = torch.bmm(self.x, self.x.transpose(1, 2)).double()
-            gram_d = torch.bmm(self.d, self.d.transpose(1, 2)).double()
-            return (gram_x * gram_d).sum((1, 2))
-        return torch.cat([_Dense(grads).norm_sq(scale_sq) for _, grads in self._blocks()])
+                a, b = _summed(x2, 1), _summed(d2, 1)
+                value = a.value * b.value
+                return _SquaredNorms(value, value * _gamma(k + o + 8))
+            value = ((d2 @ scale_sq.double().view(o, k)) * x2).sum(1)  # nonnegative terms throughout
+            return _SquaredNorms(value, value * _gamma(k + o + 8))
+        if scale_sq is None and self.ghost_cheaper():  # Σ_{q,r} (x_qᵀx_r)(δ_qᵀδ_r), in float64
+            x, d = self.x.double(), self.d.double()
+            value = (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+            return _SquaredNorms(value, self._p().square() * _gamma(k + o + q * q + 8))
+        norms = []
+        for users, grads in self._blocks(torch.float64):  # Ĝ_u within γ_Q·P_u of G_u (Frobenius)
+            squares = grads.square() if scale_sq is None else grads.square() * scale_sq.double()
+            norms.append(_summed(squares, 1))
+        computed = _SquaredNorms(torch.cat([n.value for n in norms]), torch.cat([n.error for n in norms]))
+        scale_max = 1.0 if scale_sq is None else float(scale_sq.double().max().sqrt()) * (1 + 4 * _U64)
+        e = self._p() * scale_max * _gamma(q + 2)  # ‖s ⊙ (G − Ĝ)‖ ≤ max s · γ_Q P
+        root = (computed.value + computed.error).sqrt() * (1 + 2 * _U64)
+        return _SquaredNorms(computed.value, computed.error + (2 * root * e + e.square()) * (1 + 8 * _U64))
 
     def ghost_cheaper(self) -> bool:
         """Gram matrices (Q² (k + o) per user) against the gradient itself (Q k o per user)."""
@@ -229,7 +292,8 @@ class _Outer(_PerUser):
 @dataclass
 class _Rows(_PerUser):
     """An embedding's G_u: row v is Σ of δ_q over u's positions q with token v. ``rows`` (K, e) holds every
-    (user, token) pair's row once, ``owner`` (K,) its user, ``token`` (K,) its token; the parameter is (V, e)."""
+    (user, token) pair's row once, ``owner`` (K,) its user, ``token`` (K,) its token; the parameter is (V, e). The
+    node's sum is built from these very rows."""
 
     rows: torch.Tensor
     owner: torch.Tensor
@@ -238,11 +302,13 @@ class _Rows(_PerUser):
     users: int
 
     def norm_sq(self, scale_sq):
-        r2 = self.rows.square()
+        r2 = _exact_squares(self.rows)
         if scale_sq is not None:
-            r2 = r2 * scale_sq.view(self.vocabulary, -1)[self.token]
-        out = torch.zeros(self.users, dtype=torch.float64, device=self.rows.device)
-        return out.index_add_(0, self.owner, r2.sum(1, dtype=torch.float64))
+            r2 = r2 * scale_sq.double().view(self.vocabulary, -1)[self.token]
+        value = torch.zeros(self.users, dtype=torch.float64, device=self.rows.device)
+        value.index_add_(0, self.owner, r2.sum(1))
+        most = int(torch.bincount(self.owner, minlength=self.users).max()) if self.owner.numel() else 0
+        return _SquaredNorms(value, value * _gamma(most * self.rows.shape[1] + 4))
 
     def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.vocabulary, rows.shape[1], dtype=rows.dtype, device=rows.device)
@@ -470,6 +536,20 @@ def _chunks(users: Sequence[UserExamples], training: LocalTraining,
     return out
 
 
+def _update_norms(result: _Chunk, offsets: dict[str, tuple[int, int]], scale_sq: torch.Tensor | None, lr: float,
+                  users: int, device: torch.device) -> torch.Tensor:
+    """N̄_u ≥ ‖Δ_u‖ = η·‖g_u‖ (‖s ⊙ Δ_u‖ for scale-then-privatize), float64: η·√(Σ_layers (S̃ + E)), where each
+    layer's computed squared norm S̃ comes with its error bound E (:class:`_SquaredNorms`), raised by the few
+    roundings of this sum, the square root and the product (≤ 2⁻⁵³ each)."""
+    total = _SquaredNorms(torch.zeros(users, dtype=torch.float64, device=device),
+                          torch.zeros(users, dtype=torch.float64, device=device))
+    for name, grads in result.grads.items():
+        lo, hi = offsets[name]
+        total = total + grads.norm_sq(None if scale_sq is None else scale_sq[lo:hi])
+    layers = len(result.grads)
+    return (total.value + total.error).sqrt() * (lr * (1 + _gamma(2 * layers + 4)))
+
+
 def users_contribution(
     users: Sequence[UserExamples],
     *,
@@ -523,17 +603,13 @@ def users_contribution(
             _verify(model, loss, examples, size, layout, names, result)
             model._fed_dp_one_step_verified = loss
             verified = True
-        norm_sq = torch.zeros(size, dtype=torch.float64, device=device)
-        for name, grads in result.grads.items():
-            lo, hi = offsets[name]
-            norm_sq += grads.norm_sq(None if scale_sq is None else scale_sq[lo:hi])
-        norms = lr * norm_sq.sqrt()  # ‖Δ_u‖ (‖s ⊙ Δ_u‖ for scale-then-privatize)
+        norms = _update_norms(result, offsets, scale_sq, lr, size, device)  # ≥ ‖Δ_u‖ (‖s ⊙ Δ_u‖ for STP)
         if not bool(torch.isfinite(norms).all()):
             user = chunk[int((~torch.isfinite(norms)).nonzero()[0])][0]
             raise ValueError(f"the update of user {user} contains NaN or Inf values (round {round_index + 1}); it "
                              "cannot be clipped: lower local.lr, or check that user's data and the loss")
-        factors = clip_factor(norms, clip_norm)  # min(1, ζ/‖Δ_u‖)
-        w = (-lr * factors).to(FLAT_DTYPE)  # u_u = w_u · g_u (· s for scale-then-privatize)
+        # u_u = w_u·g_u (⊙ s for STP) with w_u = −η·f_u rounded towards 0: ‖u_u‖ ≤ f_u·N̄_u, within ζ in floating point
+        w = -round_down_float32(lr * clip_factors(norms, clip_norm, dim=layout.size))
         for name, grads in result.grads.items():
             lo, hi = offsets[name]
             part = grads.weighted_sum(w)

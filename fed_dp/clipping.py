@@ -190,6 +190,13 @@ def _product_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def round_down_float32(values: torch.Tensor) -> torch.Tensor:
+    """Nonnegative float64 ``values`` as float32 no larger than them: the nearest float32, then one step towards
+    0 where rounding went up (a factor applied in float32 must never exceed the float64 one it stands for)."""
+    nearest = values.to(torch.float32)
+    return torch.where(nearest.double() > values, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+
+
 def clip_factors(norms: torch.Tensor, clip_norm: float, *, dim: int | None = None,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Factors f ∈ [0, 1] (float64 tensor, values representable in ``dtype``) such that for every vector x
@@ -224,10 +231,8 @@ def clip_factors(norms: torch.Tensor, clip_norm: float, *, dim: int | None = Non
     p, absolute = (_U32, 2.0**-120) if dtype == torch.float32 else (0.0, 2.0**-1000)
     margin = _round_up((1 + eta) * (1 + p) * (1 + _U64))
     quotient = (max(clip_norm - absolute, 0.0) / (norms * margin)).mul_(1 - 4 * _U64).clamp_(max=1.0)
-    if dtype == torch.float32:  # round down into float32: nearest, then one step towards 0 if it went up
-        nearest = quotient.to(torch.float32)
-        quotient = torch.where(nearest.double() > quotient, torch.nextafter(nearest, torch.zeros_like(nearest)),
-                               nearest).double()
+    if dtype == torch.float32:
+        quotient = round_down_float32(quotient).double()
     return torch.where(norms * keep <= clip_norm, torch.ones_like(quotient), quotient)
 
 

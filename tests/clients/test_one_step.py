@@ -277,18 +277,25 @@ def test_next_token_terms_add_up_with_and_without_mask():
         torch.testing.assert_close(a.sum() / b.sum().clamp(min=1), next_token(model, batch))
 
 
+def _bounded(computed, exact: torch.Tensor) -> None:
+    """The computed squared norms are close to the exact ones, and value + error bounds them from above."""
+    torch.testing.assert_close(computed.value, exact, rtol=1e-12, atol=1e-12)
+    assert bool((computed.value + computed.error >= exact).all())
+    assert bool((computed.error <= 1e-9 * (exact + 1e-30)).all())
+
+
 @pytest.mark.parametrize("positions", [1, 3, 40])  # rank one, ghost (Gram) and materialized
 @pytest.mark.parametrize("block_bytes", [4, 64 * 2**20])  # one user per block / all at once
 def test_outer_product_gradients_against_explicit_ones(positions, block_bytes):
     """‖s ⊙ G_u‖², Σ w_u G_u and Σ w_u² G_u² of G_u = Σ_q δ_q x_qᵀ, each form against G_u built explicitly."""
     g = torch.Generator().manual_seed(positions)
     x, d = torch.randn(6, positions, 5, generator=g), torch.randn(6, positions, 4, generator=g)
-    explicit = torch.einsum("cqo,cqk->cok", d, x).flatten(1).double()
+    explicit = torch.einsum("cqo,cqk->cok", d.double(), x.double()).flatten(1)  # exact to float64 rounding
     grads = one_step._Outer(x, d, block_bytes=block_bytes)
     w = torch.rand(6, generator=g)
     s2 = torch.rand(20, generator=g, dtype=torch.float64) + 0.5
-    torch.testing.assert_close(grads.norm_sq(None), explicit.square().sum(1))
-    torch.testing.assert_close(grads.norm_sq(s2.float()), (explicit.square() * s2).sum(1), rtol=1e-5, atol=1e-6)
+    _bounded(grads.norm_sq(None), explicit.square().sum(1))
+    _bounded(grads.norm_sq(s2.float()), (explicit.square() * s2.float().double()).sum(1))
     torch.testing.assert_close(grads.weighted_sum(w).double(), w.double() @ explicit, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads.weighted_squares(w.square()).double(), w.double().square() @ explicit.square(),
                                rtol=1e-5, atol=1e-6)
@@ -308,7 +315,34 @@ def test_embedding_rows_against_explicit_gradients():
     rows = one_step._embedding(call, 3)["weight"]
     w = torch.rand(3, generator=g)
     explicit = explicit.flatten(1)
-    torch.testing.assert_close(rows.norm_sq(None), explicit.square().sum(1))
+    norms = rows.norm_sq(None)
+    torch.testing.assert_close(norms.value, explicit.square().sum(1), rtol=1e-6, atol=1e-9)
+    released = torch.zeros(3, dtype=torch.float64).index_add_(0, rows.owner, rows.rows.double().square().sum(1))
+    _bounded(norms, released)  # the bound holds for the float32 rows that the node's sum is built from
     torch.testing.assert_close(rows.weighted_sum(w).double(), w.double() @ explicit, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rows.weighted_squares(w.square()).double(), w.double().square() @ explicit.square(),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case, sizes, scale", [
+    ("linear+layernorm", [1], None),             # rank one
+    ("masked next-token", [3], None),            # Gram matrices, embedding rows, LayerNorm
+    ("conv2d+groupnorm", [2], True),             # materialized in float64 (scaled geometry)
+])
+def test_each_released_update_is_within_the_clip_in_floating_point(case, sizes, scale):
+    """A user alone at the node: the node's sum is that user's released u. With ζ a hair (10⁻⁷ relative) under
+    the user's own norm, ‖u‖ must still be ≤ ζ as fed_dp.clipping.l2_norm (an upper bound) measures it."""
+    from fed_dp.clipping import l2_norm
+
+    outside = 0
+    for seed in range(40):
+        model, layout, params, users, loss = _setup(case, sizes, seed=seed)
+        s = None if scale is None else torch.rand(layout.size, generator=torch.Generator().manual_seed(seed)) + 0.5
+        kwargs = dict(params=params, round_index=0, scale=s, send_squares=False, model=model, layout=layout,
+                      training=FULL_BATCH, loss=loss, seed=0)
+        _, metrics = one_step.users_contribution(users, clip_norm=1e9, **kwargs)
+        clip_norm = metrics["mean_update_norm"] * (1 - 1e-7)
+        released, _ = one_step.users_contribution(users, clip_norm=clip_norm, **kwargs)
+        assert released.unclipped == 0
+        outside += float(l2_norm(released.total)) > clip_norm
+    assert outside == 0
