@@ -56,7 +56,7 @@ from torch.nn import functional as F
 
 from fed_dp.clients.task import Examples, Loss
 from fed_dp.clients.training import UserExamples, check_finite_loss
-from fed_dp.clipping import clip_factors, round_down_float32
+from fed_dp.clipping import clip_factors, round_down_float32, row_norms
 from fed_dp.config import LocalTraining
 from fed_dp.contribution import Contribution
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
@@ -184,6 +184,13 @@ def _summed(squares: torch.Tensor, dim) -> _SquaredNorms:
     return _SquaredNorms(value, value * _gamma(n + 3))
 
 
+def _squared_bounds(norm_bounds: torch.Tensor, operations: int = 1) -> _SquaredNorms:
+    """Squared norms from float64 upper bounds of the norms (``fed_dp.clipping.row_norms``, proved there), computed
+    with ``operations`` float64 roundings (the products and the square)."""
+    value = norm_bounds.square()
+    return _SquaredNorms(value, value * _gamma(operations + 1))
+
+
 class _PerUser:
     """The gradients G_u of one parameter for the C users of a chunk (row-major over the parameter's shape)."""
 
@@ -204,8 +211,9 @@ class _Dense(_PerUser):
     grads: torch.Tensor
 
     def norm_sq(self, scale_sq):
-        squares = _exact_squares(self.grads)
-        return _summed(squares if scale_sq is None else squares * scale_sq.double(), 1)
+        if scale_sq is None:
+            return _squared_bounds(row_norms(self.grads))
+        return _summed(_exact_squares(self.grads) * scale_sq.double(), 1)
 
     def weighted_sum(self, w):
         return w @ self.grads
@@ -245,18 +253,17 @@ class _Outer(_PerUser):
 
     def _p(self) -> torch.Tensor:
         """P_u = Σ_q ‖x_q‖‖δ_q‖ (an upper bound of ‖G_u‖ and of the sum of |entries| the roundings scale with)."""
-        x2 = _summed(_exact_squares(self.x), 2)
-        d2 = _summed(_exact_squares(self.d), 2)
-        return ((x2.value + x2.error) * (d2.value + d2.error)).sqrt().sum(1) * (1 + _gamma(self.x.shape[1] + 4))
+        users, q = self.x.shape[:2]
+        x = row_norms(self.x.flatten(0, 1)).view(users, q)
+        d = row_norms(self.d.flatten(0, 1)).view(users, q)
+        return (x * d).sum(1) * (1 + _gamma(q + 2))
 
     def norm_sq(self, scale_sq):
         q, k, o = self.x.shape[1], self.x.shape[2], self.d.shape[2]
         if self._rank_one():  # ‖δ xᵀ‖² = ‖δ‖²‖x‖²; with s: Σ_jk s²_jk δ_j² x_k² = (δ²)ᵀ S² (x²)
-            x2, d2 = _exact_squares(self.x[:, 0]), _exact_squares(self.d[:, 0])
             if scale_sq is None:
-                a, b = _summed(x2, 1), _summed(d2, 1)
-                value = a.value * b.value
-                return _SquaredNorms(value, value * _gamma(k + o + 8))
+                return _squared_bounds(row_norms(self.x[:, 0]) * row_norms(self.d[:, 0]), operations=3)
+            x2, d2 = _exact_squares(self.x[:, 0]), _exact_squares(self.d[:, 0])
             value = ((d2 @ scale_sq.double().view(o, k)) * x2).sum(1)  # nonnegative terms throughout
             return _SquaredNorms(value, value * _gamma(k + o + 8))
         if scale_sq is None and self.ghost_cheaper():  # Σ_{q,r} (x_qᵀx_r)(δ_qᵀδ_r), in float64
@@ -302,13 +309,15 @@ class _Rows(_PerUser):
     users: int
 
     def norm_sq(self, scale_sq):
-        r2 = _exact_squares(self.rows)
-        if scale_sq is not None:
-            r2 = r2 * scale_sq.double().view(self.vocabulary, -1)[self.token]
+        if scale_sq is None:  # per row an upper bound of its squared norm, summed over each user's rows
+            per_row, terms = _squared_bounds(row_norms(self.rows)).value, 2
+        else:
+            per_row = (_exact_squares(self.rows) * scale_sq.double().view(self.vocabulary, -1)[self.token]).sum(1)
+            terms = self.rows.shape[1] + 3
         value = torch.zeros(self.users, dtype=torch.float64, device=self.rows.device)
-        value.index_add_(0, self.owner, r2.sum(1))
+        value.index_add_(0, self.owner, per_row)
         most = int(torch.bincount(self.owner, minlength=self.users).max()) if self.owner.numel() else 0
-        return _SquaredNorms(value, value * _gamma(most * self.rows.shape[1] + 4))
+        return _SquaredNorms(value, value * _gamma(most + terms + 2))
 
     def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.vocabulary, rows.shape[1], dtype=rows.dtype, device=rows.device)
