@@ -12,8 +12,9 @@ A ClientApp of your own needs two handlers (the project's own ``fed_dp.clients.a
     def train(msg, context):
         return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))
 
-:class:`LocalTrainer` builds the task's model once and trains a round's users on its device, vectorized over
-users or one at a time (``fed_dp.clients.vectorized.contribution``); the in-process engine uses the same
+:class:`LocalTrainer` builds the task's model once and trains a round's users on its device, without a model
+per user when their update is one gradient step (``fed_dp.clients.one_step``), else vectorized over users or one
+at a time (``fed_dp.clients.vectorized.contribution``); the in-process engine uses the same
 class, so a simulation and a Flower run compute the same contributions.
 """
 
@@ -28,7 +29,7 @@ from flwr.app import Message
 from fed_dp.clients import protocol
 from fed_dp.clients.task import Task, Users
 from fed_dp.clients.training import keep_freed_memory, resolve_device, use_fast_format
-from fed_dp.clients.vectorized import Path, contribution, select_path
+from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 from fed_dp.contribution import Contribution
@@ -75,7 +76,8 @@ def hosted_users(node_config: Mapping[str, Any], num_users: int) -> Sequence[int
 class LocalTrainer:
     """Trains a node's sampled users of ``task`` with ``local`` training on ``device``.
 
-    ``training``: ``"auto"`` (vectorized over users on CUDA, one at a time on the CPU), ``"vectorized"`` or
+    ``training``: ``"auto"`` (users whose update is one full-batch step on ``clients.one_step``, the others
+    vectorized over users on CUDA, one at a time on the CPU), ``"vectorized"`` or
     ``"sequential"``; ``chunk_size`` bounds the users of one vectorized call. The model is built once; every
     round loads the broadcast θ into it. In-memory users are moved to the device once.
     """
@@ -141,4 +143,4 @@ def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] 
         round_index=request.round, users=request.users, params=trainer.flat_params(request.params),
         clip_norm=request.clip_norm, scale=request.scale, send_squares=request.send_squares, seed=request.seed,
     )
-    return protocol.make_train_reply(msg, request, result, {**metrics, "vectorized": float(path == "vectorized")})
+    return protocol.make_train_reply(msg, request, result, {**metrics, **path_metrics(path)})

@@ -156,8 +156,13 @@ def serve(socket_path: str | os.PathLike[str], handlers: dict[str, Handler] | No
     path = Path(socket_path)
     listener = _bind(path)
 
+    state = {"busy": False, "stop": ""}
+
     def stop(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        """Stop now when waiting for a message; after the message being answered otherwise (it is then counted)."""
+        state["stop"] = signal.Signals(signum).name
+        if not state["busy"]:
+            raise KeyboardInterrupt(state["stop"])
 
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers can only be set there
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
@@ -166,8 +171,12 @@ def serve(socket_path: str | os.PathLike[str], handlers: dict[str, Handler] | No
     try:
         while max_requests is None or answered < max_requests:
             with listener.accept() as connection:
+                state["busy"] = True
                 answer_one(connection, handlers)
             answered += 1
+            state["busy"] = False
+            if state["stop"]:
+                raise KeyboardInterrupt(state["stop"])
     except KeyboardInterrupt as why:
         log.info("node service stopping (%s) after %d message(s)", why, answered)
     finally:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from fed_dp.clients import one_step
 from fed_dp.clients import training as sequential
 from fed_dp.clients.task import Examples, Loss
 from fed_dp.clients.training import (UserExamples, check_finite_loss, minibatch_orders, require_examples, scalar_loss,
@@ -73,6 +74,7 @@ __all__ = [
     "auto_chunk_size",
     "can_vectorize",
     "contribution",
+    "path_metrics",
     "select_path",
     "users_contribution",
 ]
@@ -99,7 +101,9 @@ def auto_chunk_size(num_params: int, *, max_users: int = DEFAULT_CHUNK_SIZE,
     heavy-tail default (d = 9,216 · 255). Activations come on top (they scale with users × batch)."""
     return max(1, min(max_users, budget_bytes // (16 * max(1, num_params))))
 
-Path = Literal["vectorized", "sequential"]
+#: The path that trained a node's users: "one-step" (``clients.one_step``, every user), "vectorized" or "sequential",
+#: or "one-step+vectorized" / "one-step+sequential" when only some users train one full-batch step.
+Path = str
 
 _BATCHNORM_REASON = (
     "the model contains BatchNorm ({name}: {kind}); BatchNorm cannot be vectorized over users: its running "
@@ -354,19 +358,18 @@ def contribution(
     vectorized: bool | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Contribution, dict[str, float], Path]:
-    """The node's contribution by the vectorized or the sequential path, on ``params.device``.
+    """The node's contribution by the one-step, the vectorized or the sequential path, on ``params.device``.
 
-    Same arguments as ``users_contribution`` plus ``vectorized`` (``None``: auto by device, see
-    :func:`select_path`; ``True``: vectorized or ValueError; ``False``: sequential) and ``chunk_size``
-    (vectorized path only). Returns ``(Contribution, metrics, path)``: the first two exactly as
-    ``users_contribution`` returns them (metrics stay floats, ready for a Flower MetricRecord) and
-    ``path``, ``"vectorized"`` or ``"sequential"``, the path that ran.
+    Same arguments as ``users_contribution`` plus ``vectorized`` (``None``: auto; ``True``: vectorized or
+    ValueError; ``False``: sequential) and ``chunk_size`` (vectorized path only). Returns ``(Contribution, metrics,
+    path)``: the first two exactly as ``users_contribution`` returns them (metrics stay floats, ready for a Flower
+    MetricRecord) and ``path`` (:data:`Path`), the path that ran.
 
-    When vmap cannot trace the model or the loss (data-dependent control flow and the like), the auto path
-    logs the reason once per model class and trains these users sequentially; with ``vectorized=True`` the
-    error is raised.
+    Auto: users whose local training is one full-batch step train on ``clients.one_step`` (no model per user);
+    the others by device (:func:`select_path`). When the one-step path cannot train the model or loss, or vmap
+    cannot trace them (data-dependent control flow and the like), the reason is logged once per model and those
+    users take the next path; with ``vectorized=True`` a vmap error is raised.
     """
-    path, _ = select_path(model, vectorized, params.device)
     if scale is not None:
         scale = scale.to(params.device)  # s_t arrives from the server; it must sit with θ
     kwargs = {
@@ -374,6 +377,37 @@ def contribution(
         "send_squares": send_squares, "model": model, "layout": layout, "training": training, "loss": loss,
         "seed": seed, "source": source,
     }
+    mine: Sequence[UserExamples] = []
+    if vectorized is None and getattr(model, "_fed_dp_one_step_refused", None) is None:
+        mine, users = one_step.one_step_users(users, training)
+    if mine:
+        try:
+            fast, fast_metrics = one_step.users_contribution(mine, **kwargs)
+        except one_step.Unsupported as refusal:
+            model._fed_dp_one_step_refused = str(refusal)
+            log.warning("training users with a model per user: %s cannot take the one-step path (%s)",
+                        type(model).__name__, refusal)
+            users = [*mine, *users]
+        else:
+            if not users:
+                return fast, fast_metrics, "one-step"
+            rest, rest_metrics, path = _model_per_user(users, vectorized, chunk_size, kwargs)
+            return _merge(fast, rest), _merge_metrics(fast_metrics, len(mine), rest_metrics, len(users)), \
+                f"one-step+{path}"
+    return _model_per_user(users, vectorized, chunk_size, kwargs)
+
+
+def path_metrics(path: Path) -> dict[str, float]:
+    """The public record of which path trained a node's users: ``vectorized`` (1 when the users that needed a
+    model per user were vectorized) and ``one_step`` (1 when some trained on the one-step path)."""
+    return {"vectorized": float(path.endswith("vectorized")), "one_step": float(path.startswith("one-step"))}
+
+
+def _model_per_user(users: Sequence[UserExamples], vectorized: bool | None, chunk_size: int | None,
+                    kwargs: dict[str, Any]) -> tuple[Contribution, dict[str, float], Path]:
+    """The vectorized or the sequential path (:func:`select_path`), with the vmap fallback of :func:`contribution`."""
+    model = kwargs["model"]
+    path, _ = select_path(model, vectorized, kwargs["params"].device)
     if path == "vectorized":
         try:
             result, metrics = users_contribution(users, chunk_size=chunk_size, **kwargs)
@@ -388,3 +422,15 @@ def contribution(
                             "(%s: %s)", name, type(error).__name__, str(error).splitlines()[0])
     result, metrics = sequential.users_contribution(users, **kwargs)
     return result, metrics, "sequential"
+
+
+def _merge(a: Contribution, b: Contribution) -> Contribution:
+    """One node's reply from two disjoint sets of its users."""
+    squares = None if a.total_squares is None else a.total_squares + b.total_squares
+    return Contribution(a.total + b.total, a.count + b.count, squares, source=a.source,
+                        unclipped=a.unclipped + b.unclipped, scaled=a.scaled)
+
+
+def _merge_metrics(a: dict[str, float], count_a: int, b: dict[str, float], count_b: int) -> dict[str, float]:
+    """Per-user means over both sets (each metric is a mean over its users)."""
+    return {key: (a[key] * count_a + b[key] * count_b) / (count_a + count_b) for key in a}

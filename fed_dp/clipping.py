@@ -195,6 +195,13 @@ def _product_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def round_down_float32(values: torch.Tensor) -> torch.Tensor:
+    """Nonnegative float64 ``values`` as float32 no larger than them: the nearest float32, then one step towards
+    0 where rounding went up (a factor applied in float32 must never exceed the float64 one it stands for)."""
+    nearest = values.to(torch.float32)
+    return torch.where(nearest.double() > values, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+
+
 def _check_factor_args(clip_norm: float, dtype: torch.dtype) -> None:
     if not (isinstance(clip_norm, (int, float)) and 0 <= clip_norm < float("inf")):
         raise ValueError(f"clip_norm must be a finite number >= 0, got {clip_norm!r}")
@@ -250,10 +257,8 @@ def clip_factors(norms: torch.Tensor, clip_norm: float, *, dim: int | None = Non
     norms = torch.as_tensor(norms, dtype=torch.float64)
     # a true division (``scalar / tensor`` would multiply by a rounded reciprocal: two roundings)
     quotient = torch.full_like(norms, numerator).div_(norms).clamp_(max=1.0)
-    if dtype == torch.float32:  # round down into float32: nearest, then one step towards 0 if it went up
-        nearest = quotient.to(torch.float32)
-        quotient = torch.where(nearest.double() > quotient, torch.nextafter(nearest, torch.zeros_like(nearest)),
-                               nearest).double()
+    if dtype == torch.float32:
+        quotient = round_down_float32(quotient).double()
     return torch.where(norms <= limit, 1.0, quotient)
 
 

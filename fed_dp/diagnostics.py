@@ -10,6 +10,9 @@ realized cohort size: it is NOT private, and engines may only record it in simul
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from fed_dp.clipping import l2_norm
@@ -19,13 +22,31 @@ _NAMES = ("min", "q25", "median", "q75", "max")
 
 
 def _summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    flat = values.detach().reshape(-1).double()
-    if flat.numel() > 1_000_000:  # torch.quantile's limit: use the exact k-th values instead
-        sorted_values = flat.sort().values
-        picks = [sorted_values[round(q * (flat.numel() - 1))] for q in _QUANTILES]
+    """min, quartiles, median and max of ``values``: ``torch.quantile``'s linear interpolation between order
+    statistics up to 10⁶ values, the nearest order statistic beyond (torch.quantile's size limit). The order
+    statistics come from one selection (``numpy.partition``, O(n)) instead of a sort: 35 ms instead of 550 ms
+    for the 2.35M coordinates of seed 003's model on these CPUs, with the same values."""
+    flat = values.detach().reshape(-1).double().cpu()
+    n = flat.numel()
+    positions = [q * (n - 1) for q in _QUANTILES]
+    if n > 1_000_000:
+        ranks = [round(p) for p in positions]
+        stats = _order_statistics(flat, ranks)
+        picks = [stats[r] for r in ranks]
     else:
-        picks = list(torch.quantile(flat, torch.tensor(_QUANTILES, dtype=torch.float64)))
+        lower = [math.floor(p) for p in positions]
+        upper = [min(r + 1, n - 1) for r in lower]
+        stats = _order_statistics(flat, lower + upper)
+        picks = [torch.lerp(stats[lo], stats[hi], torch.tensor(p - lo, dtype=torch.float64))
+                 for p, lo, hi in zip(positions, lower, upper)]
     return {f"{prefix}_{name}": float(v) for name, v in zip(_NAMES, picks)}
+
+
+def _order_statistics(flat: torch.Tensor, ranks: list[int]) -> dict[int, torch.Tensor]:
+    """The k-th smallest value of ``flat`` for every k in ``ranks`` (0-based), by one partial sort."""
+    unique = sorted(set(ranks))
+    selected = np.partition(flat.numpy(), unique)
+    return {k: torch.tensor(selected[k], dtype=torch.float64) for k in unique}
 
 
 def second_moment_summary(nu_hat: torch.Tensor, phi_hat: torch.Tensor | float | None) -> dict[str, float]:

@@ -148,8 +148,8 @@ KEYS: tuple[Key, ...] = (
         "torch (a seeded generator, reproducible); auto: secure in a deployment without run.seed, else torch",
         choices=("auto", "secure", "torch")),
     Key("client", "device", str, "auto", "where users train: auto (CUDA when present), cpu, cuda, cuda:N"),
-    Key("client", "training", str, "auto", "auto (vectorized over users on CUDA, one at a time on the CPU), "
-        "vectorized or sequential", choices=TRAINING_PATHS),
+    Key("client", "training", str, "auto", "auto (users whose update is one full-batch step: without a model per user; the others "
+        "vectorized over users on CUDA, one at a time on the CPU), vectorized or sequential", choices=TRAINING_PATHS),
     Key("client", "chunk-size", int, None, "most users in one vectorized call (unset: from memory)", unset=0),
     Key("run", "seed", int, None, "seeds model, sampler, noise and local training: a reproducible research run; "
         "unset: OS entropy", unset=-1),

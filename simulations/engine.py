@@ -7,8 +7,8 @@
 It runs the one round loop of every engine (``fed_dp.server.round_loop.run_rounds``: budget, checkpoints,
 stop conditions, evaluation) with one difference from a Flower run: the plan reaches the users by a function
 call instead of messages. This process acts as one node hosting every user: ``fed_dp.clients.node.LocalTrainer``
-(the class a ClientApp uses) trains the sampled users — vectorized over users on CUDA, one at a time on the
-CPU — and replies with the sum of their clipped updates and their count. Noise, the fixed denominator, the
+(the class a ClientApp uses) trains the sampled users — without a model per user when their update is one
+gradient step, else vectorized over users on CUDA and one at a time on the CPU — and replies with the sum of their clipped updates and their count. Noise, the fixed denominator, the
 optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is re-implemented here.
 
 Under ``torchrun`` (an initialized ``torch.distributed`` group of several processes) rank 0 runs the loop and
@@ -34,6 +34,7 @@ from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.clients.evaluation import evaluate_params, load_params
 from fed_dp.clients.node import LocalTrainer
+from fed_dp.clients.vectorized import path_metrics
 from fed_dp.clients.task import Task, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
@@ -149,7 +150,7 @@ def train(
             result, metrics, path = trainer.contribution(
                 round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
                 scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
-            return RoundReplies([_on_cpu(result)], metrics={"vectorized": float(path == "vectorized")},
+            return RoundReplies([_on_cpu(result)], metrics=path_metrics(path),
                                 nonprivate=metrics)  # train_loss, mean_update_norm, fraction_clipped
 
         evaluate = None

@@ -185,3 +185,22 @@ def test_alignment_ratio_random_high_dimensional_updates_is_about_one_over_sqrt_
 
 def test_alignment_ratio_empty_cohort_is_nan():
     assert math.isnan(alignment_ratio(torch.zeros(3), 0, 1.0))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 4_001, 1_000_000])
+def test_summary_equals_torch_quantile(n):
+    """The selection-based summary returns torch.quantile's values exactly (linear interpolation)."""
+    from fed_dp.diagnostics import _QUANTILES, _summary
+
+    values = torch.rand(n, generator=torch.Generator().manual_seed(n))
+    expected = torch.quantile(values.double(), torch.tensor(_QUANTILES, dtype=torch.float64))
+    assert list(_summary("x", values).values()) == [float(v) for v in expected]
+
+
+def test_summary_beyond_quantile_limit_takes_nearest_order_statistics():
+    from fed_dp.diagnostics import _QUANTILES, _summary
+
+    values = torch.randn(1_000_003, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ordered = values.sort().values
+    expected = [float(ordered[round(q * (values.numel() - 1))]) for q in _QUANTILES]
+    assert list(_summary("x", values).values()) == expected
