@@ -91,6 +91,7 @@ def train(
     *,
     adaptive_clipping: AdaptiveClipConfig | None = None,
     seed: int | None = None,
+    training_seed: int | None = None,
     eval_every: int = 1,
     device: str | torch.device = "auto",
     training: str = "auto",
@@ -110,6 +111,9 @@ def train(
         are allowed here, in a simulation, and report ``"not private"``).
     local: local training of each user (default ``LocalTraining()``).
     seed: None (model, sampler, noise and local training from OS entropy) or an int: a reproducible research run.
+    training_seed: seeds only the model's initialization and the users' local training (default: ``seed``); the
+        sampler and the noise still come from ``seed``. ``fed-dp simulate`` without ``run.seed`` writes this seed
+        to its results and keeps ``seed`` (the cohorts and the noise) in memory only.
     eval_every: evaluate with ``task.evaluate`` every k rounds and after the last (0: never).
     device / training / chunk_size: where and how users train (``LocalTrainer``).
     checkpoint_dir: save every round there and resume from it.
@@ -131,7 +135,7 @@ def train(
     with simulation():
         if isinstance(optimizer, str):
             optimizer = make_optimizer(optimizer)
-        run_seed = seed if seed is not None else entropy_seed()
+        run_seed = training_seed if training_seed is not None else seed if seed is not None else entropy_seed()
         if workers is not None:
             run_seed = share_seed(workers, run_seed)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's

@@ -223,3 +223,19 @@ def test_config_option_is_the_positional_config(capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--config", "no-such-config"])
     assert "built-in configs" in capsys.readouterr().err
+
+
+def test_an_unseeded_run_publishes_no_seed_that_reproduces_its_noise_or_cohorts(tmp_path):
+    """Issue 25 item 2: without run.seed, config.json holds only the seed of the model's initialization and local
+    training; re-running with it as run.seed draws other cohorts and other noise (on main it reproduced both:
+    the sampler and noise seeds were derived from the written seed). A seeded run writes the seed it was given."""
+    single = ['run.optimizers=["dp-sgd"]', "run.eval-every=0", "run.seed=-1"]  # -1: unset
+    run_experiment(_tiny(single), tmp_path / "a", progress=False, log=lambda *_: None)
+    written = json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]
+    assert "written nowhere" in written["seed_note"]
+    run_experiment(_tiny([*single, f"run.seed={written['seed']}"]), tmp_path / "b", progress=False,
+                   log=lambda *_: None)
+    first, again = (read_results(tmp_path / run)["dp-sgd"] for run in ("a", "b"))
+    assert all(x["update_norm"] != y["update_norm"] for x, y in zip(first, again))
+    seeded = json.loads((tmp_path / "b" / "config.json").read_text())["resolved"]
+    assert seeded["seed"] == written["seed"] and "sampler and noise are reproducible" in seeded["seed_note"]
