@@ -4,9 +4,11 @@
     <folder>/checkpoint-<round>.pt      publishable: model, optimizer state, ε ledger, ζ_t, engine records
     <folder>/secret/                    mode 0700, files mode 0600: never publish or send anywhere
         noise-<round>.pt                the noise stream (source state, BandMF buffer), the sampler (every
-                                        cohort), the clip-bit noise; whoever holds it can remove the noise
+                                        cohort), the clip-bit noise; whoever holds it can remove the noise;
+                                        and the records' exact counts (``nonprivate_*`` of a simulation)
         diagnostics.jsonl               per-round operator diagnostics computed from users' data outside the
-                                        accounted mechanism (cohort sizes, replies, clipped counts)
+                                        accounted mechanism (cohort sizes, replies, clipped counts, the
+                                        round's duration, which grows with the cohort), in every engine
         operator.log                    the same, as log lines: which nodes' sampled users were dropped and
                                         why (no reply, late, malformed), which setting to change
 
@@ -58,18 +60,20 @@ def _save(path: Path, payload: dict[str, Any], mode: int | None = None) -> None:
     write_atomically(path, lambda handle: torch.save(payload, handle), mode=mode)
 
 
-def save_checkpoint(state: ServerState, folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(state: ServerState, folder: str | os.PathLike, extra: dict[str, Any] | None = None,
+                    secret_extra: dict[str, Any] | None = None) -> Path:
     """Commit round ``state.round``: both parts written, then ``checkpoint.json``; returns the public file.
 
-    ``extra`` holds engine data (e.g. the published records so far) and goes into the public part."""
+    ``extra`` holds engine data (e.g. the published records so far) and goes into the public part;
+    ``secret_extra`` (e.g. the records' exact counts) into the secret part."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     secret = secret_folder(folder)
     t = state.round
     public_path = folder / public_name(t)
     _save(public_path, {"format": FORMAT, "version": VERSION, "state": state.state_dict(), "extra": extra or {}})
-    _save(secret / secret_name(t), {"format": FORMAT, "version": VERSION, "secret": state.secret_state_dict()},
-          mode=0o600)
+    _save(secret / secret_name(t), {"format": FORMAT, "version": VERSION, "secret": state.secret_state_dict(),
+                                    "extra": secret_extra or {}}, mode=0o600)
     commit = {"format": FORMAT, "version": VERSION, "round": t, "public": public_path.name,
               "secret": f"{SECRET_FOLDER}/{secret_name(t)}"}
     write_atomically(folder / COMMIT_NAME, lambda handle: handle.write(json.dumps(commit).encode()))
@@ -117,11 +121,18 @@ def resume(state: ServerState, folder: str | os.PathLike) -> dict[str, Any] | No
 
     The state must be built from the same configuration (checked: a checkpoint of another privacy
     configuration is refused, so a ledger can never be continued under different accounting)."""
-    payload = load_checkpoint(folder)
-    if payload is None:
+    restored = resume_with_secret(state, folder)
+    return None if restored is None else restored[0]
+
+
+def resume_with_secret(state: ServerState, folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """:func:`resume`, returning the public ``extra`` and the ``secret_extra`` of the committed checkpoint."""
+    commit = _commit(Path(folder))
+    if commit is None:
         return None
-    state.load_state_dict(payload["state"], load_secret(folder))
-    return payload["extra"]
+    public, secret = _load(Path(folder) / commit["public"]), _load(Path(folder) / commit["secret"])
+    state.load_state_dict(public["state"], secret["secret"])
+    return public["extra"], secret.get("extra", {})
 
 
 def mark_published(folder: str | os.PathLike, round_index: int) -> None:

@@ -122,7 +122,9 @@ def train(
     on_phase: called at each phase boundary of a round (``fed_dp.server.round_loop.PHASES``).
 
     Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
-    path that ran as ``vectorized``), the optimizer's diagnostics, ``round_seconds`` and evaluation metrics.
+    path that ran as ``vectorized``), the optimizer's diagnostics, ``nonprivate_round_seconds`` and evaluation
+    metrics. Keys starting ``nonprivate_`` (counts, losses, durations) stay in memory and in the checkpoint's
+    secret part: ``results.json`` and the public checkpoint never hold them.
     """
     if not isinstance(task, Task):
         raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")

@@ -155,8 +155,10 @@ def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_
     assert [c["cohort_size"] for c in counts] == [r["nonprivate_cohort_size"] for r in engine.records]
     assert all(c["replied_users"] == c["cohort_size"] and not c["dropped"] for c in counts)
     published = {key for record in result.records for key in record}
-    assert not published & {"cohort_size", "replied_users", "unclipped_users", "reclipped_replies", "dropped"}
+    assert not published & {"cohort_size", "replied_users", "unclipped_users", "reclipped_replies", "dropped",
+                            "round_seconds"}  # issue 25 item 3: the duration grows with the cohort
     assert not any(key.startswith("nonprivate") for key in published)
+    assert all(c["round_seconds"] > 0 for c in counts)
     final = strategy.layout.flatten(dict(result.arrays.to_torch_state_dict()))
     torch.testing.assert_close(final, engine.params, rtol=1e-5, atol=1e-6)
     assert torch.equal(load_checkpoint(tmp_path)["state"]["params"], strategy.state.params)
