@@ -4,7 +4,8 @@ A config is a run configuration (``fed_dp.run_config``: tables ``[task]``, ``[pr
 ``[local]``, ``[adaptive]``, ``[client]``, ``[run]``; keys hyphenated, as in Flower run configs) plus two
 experiment keys: ``run.optimizers = [names]`` trains each of these optimizers with the same seeds, and
 ``[optimizers.NAME]`` tables hold their hyper-parameters (the keys of ``[optimizer]``). See
-``simulations/configs/`` and the README.
+``simulations/configs/`` and the README. Of ``[server]``, ``checkpoint-dir`` (one folder per optimizer), ``max-empty-rounds``
+and ``noise-source`` act; the keys that wait for SuperNodes are refused (:data:`FLOWER_ONLY_KEYS`).
 
 Each run writes to its output folder: ``config.json`` (the config as given, and what was resolved: N, the
 calibrated σ, the seed of the model and local training; the seed of the sampler and the noise only when the
@@ -74,8 +75,24 @@ class Experiment:
         return self.base.privacy
 
 
-def parse_experiment(config: dict[str, Any]) -> Experiment:
-    """Validate a whole config (every optimizer's run configuration) before anything runs."""
+#: Keys that only a Flower run acts on (they wait for SuperNodes and their replies): an in-process command refuses
+#: them rather than ignore them.
+FLOWER_ONLY_KEYS = ("server.reply-timeout", "server.min-nodes", "server.node-wait")
+
+
+def refuse_keys(config: dict[str, Any], keys: tuple[str, ...], command: str, why: str) -> None:
+    """Raise when ``config`` gives any of the dotted ``keys``, which ``command`` does not act on (``why``)."""
+    given = [key for key in keys if key.partition(".")[2] in (config.get(key.partition(".")[0]) or {})]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect in {command}: {why}; "
+                         "remove it from the config")
+
+
+def parse_experiment(config: dict[str, Any], command: str = "fed-dp simulate") -> Experiment:
+    """Validate a whole config (every optimizer's run configuration) before anything runs; keys that only a
+    Flower run acts on are refused (``command`` names the command in the message)."""
+    refuse_keys(config, FLOWER_ONLY_KEYS, command, "it trains in this process, without SuperNodes (they are for "
+                "Flower runs)")
     tables = copy.deepcopy(config)
     hyper = tables.pop("optimizers", {})
     run_table = tables.setdefault("run", {})
@@ -155,6 +172,11 @@ def run_seeds(seed: int | None) -> RunSeeds:
                     "written nowhere")
 
 
+def checkpoint_folder(checkpoint_dir: str | None, optimizer: str) -> str | None:
+    """``server.checkpoint-dir/<optimizer>``: each optimizer of an experiment checkpoints, and resumes, there."""
+    return None if checkpoint_dir is None else str(Path(checkpoint_dir) / optimizer)
+
+
 def run_experiment(
     config: dict[str, Any], out_dir: str | Path, *, progress: bool = True, log=print, task: Task | None = None,
     write: bool = True,
@@ -205,9 +227,11 @@ def run_experiment(
             result = train(task, privacy, run.optimizer.build(), run.local,
                            adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
                            seed=seeds.privacy, training_seed=seeds.training, eval_every=run.run.eval_every,
-                           device=run.client.device,
-                           training=run.client.training, chunk_size=run.client.chunk_size, on_round=on_round,
-                           noise_source=run.server.chosen_noise_source or "torch")
+                           device=run.client.device, training=run.client.training,
+                           chunk_size=run.client.chunk_size, on_round=on_round,
+                           noise_source=run.server.chosen_noise_source or "torch",
+                           checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
+                           max_empty_rounds=run.server.max_empty_rounds)
         finally:
             bar.close()
         if write:

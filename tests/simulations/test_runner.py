@@ -239,3 +239,18 @@ def test_an_unseeded_run_publishes_no_seed_that_reproduces_its_noise_or_cohorts(
     assert all(x["update_norm"] != y["update_norm"] for x, y in zip(first, again))
     seeded = json.loads((tmp_path / "b" / "config.json").read_text())["resolved"]
     assert seeded["seed"] == written["seed"] and "sampler and noise are reproducible" in seeded["seed_note"]
+
+
+def test_every_server_key_acts_in_fed_dp_simulate_or_is_refused(tmp_path):
+    """Issue 25 item 6: on main fed-dp simulate accepted server.checkpoint-dir and wrote nothing. Now each optimizer
+    checkpoints to (and resumes from) checkpoint-dir/<optimizer>; the keys only a Flower run acts on are refused
+    with the reason."""
+    folder = tmp_path / "ckpt"
+    run_experiment(_tiny([f'server.checkpoint-dir="{folder}"']), tmp_path / "out", progress=False,
+                   log=lambda *_: None)
+    for name in ("dp-sgd", "dp-adambc"):
+        assert json.loads((folder / name / "checkpoint.json").read_text())["round"] == 3
+        assert [r["round"] for r in json.loads((folder / name / "results.json").read_text())] == [0, 1, 2]
+    for key in ("server.min-nodes=2", "server.reply-timeout=5.0", "server.node-wait=1.0"):
+        with pytest.raises(ValueError, match=rf"{key.split('=')[0]} has no effect in fed-dp simulate: .*SuperNodes"):
+            parse_experiment(_tiny([key]))
