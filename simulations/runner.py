@@ -4,8 +4,9 @@ A config is a run configuration (``fed_dp.run_config``: tables ``[task]``, ``[pr
 ``[local]``, ``[adaptive]``, ``[client]``, ``[run]``; keys hyphenated, as in Flower run configs) plus two
 experiment keys: ``run.optimizers = [names]`` trains each of these optimizers with the same seeds, and
 ``[optimizers.NAME]`` tables hold their hyper-parameters (the keys of ``[optimizer]``). See
-``simulations/configs/`` and the README. Of ``[server]``, ``checkpoint-dir`` (one folder per optimizer), ``max-empty-rounds``
-and ``noise-source`` act; the keys that wait for SuperNodes are refused (:data:`FLOWER_ONLY_KEYS`).
+``simulations/configs/`` and the README. Of ``[server]``, ``checkpoint-dir`` (one folder per optimizer),
+``max-empty-rounds`` and ``noise-source`` act; the keys that wait for SuperNodes are refused
+(:data:`FLOWER_ONLY_KEYS`).
 
 Each run writes to its output folder: ``config.json`` (the config as given, and what was resolved: N, the
 calibrated σ, the seed of the model and local training; the seed of the sampler and the noise only when the
