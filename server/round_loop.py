@@ -41,7 +41,7 @@ import torch
 
 from fed_dp.accounting import BudgetExceededError
 from fed_dp.atomic import write_atomically
-from fed_dp.checkpoint import (append_diagnostics, last_published, mark_published, operator_log_file,
+from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, last_published, mark_published, operator_log_file,
                                resume_with_secret, save_checkpoint)
 from fed_dp.context import in_simulation
 from fed_dp.contribution import Contribution, RoundPlan
@@ -113,7 +113,7 @@ def nonprivate_part(record: dict[str, Any]) -> dict[str, Any]:
 def _write_results(folder: str | Path, records: list[dict[str, Any]]) -> None:
     """``results.json``: the published records (no ``nonprivate_`` key), written atomically."""
     text = json.dumps([public_record(record) for record in records], indent=1, default=str)
-    write_atomically(Path(folder) / "results.json", lambda handle: handle.write(text.encode()))
+    write_atomically(Path(folder) / RESULTS_NAME, lambda handle: handle.write(text.encode()))
 
 
 def _evaluate_now(round_index: int, rounds: int, eval_every: int) -> bool:
