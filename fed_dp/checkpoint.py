@@ -194,16 +194,20 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
             *remove_temporaries(folder / SECRET_FOLDER, "noise-*.pt")]
 
 
-def mark_published(folder: str | os.PathLike, round_index: int) -> None:
-    """Record that round ``round_index``'s record was handed out (logged, evaluated, passed to the caller)."""
-    write_atomically(Path(folder) / PUBLISHED_NAME, lambda handle: handle.write(json.dumps({"round": round_index}).encode()))
+def mark_published(folder: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Record, atomically, that round ``record["round"]`` is published, with its record as published (evaluation
+    included; public keys only): written before the record is handed out, so that the evaluation is durable
+    before the round counts as published and a crash never hands a round out twice."""
+    text = json.dumps({"round": record["round"], "record": record}, default=str)
+    write_atomically(Path(folder) / PUBLISHED_NAME, lambda handle: handle.write(text.encode()))
 
 
-def last_published(folder: str | os.PathLike) -> int:
-    """The last round whose record was handed out (−1 when none), so that a resume hands out a committed round
-    exactly once even when the server died between committing it and handing it out."""
+def read_published(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The last published round's ``{"round", "record"}`` (None when none), so that a resume never hands out a
+    round twice, and restores the evaluation of the round published last, which the commit of that round does
+    not hold (it is evaluated after its commit)."""
     path = Path(folder) / PUBLISHED_NAME
-    return int(json.loads(path.read_text())["round"]) if path.exists() else -1
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def append_diagnostics(folder: str | os.PathLike, record: dict[str, Any]) -> None:

@@ -6,12 +6,15 @@
         replies         = exchange(plan)            # Flower messages, or local training in this process
         state, metrics  = finish_round(state, plan, replies.contributions)
         checkpoint      (public and secret parts committed atomically, before anything of round t is
-                         evaluated, logged or handed to the caller; a round committed but not yet handed
-                         out when the server died is handed out once when the run resumes, recomputing
-                         nothing)
+                         evaluated, logged or handed to the caller)
         stop with NoRepliesError after ``max_empty_rounds`` rounds in a row in which users were sampled but
             none was counted: the budget is not spent on noise alone
-        evaluate every ``eval_every`` rounds and after the last; log ε; hand the record to ``on_round``
+        evaluate every ``eval_every`` rounds and after the last; mark the round published in published.json
+            with its evaluated record (atomic); then log ε and hand the record to ``on_round``
+        (a resumed run publishes a round committed but not marked published, evaluating it again from the
+         committed state, and restores the evaluation of the round marked last: across a crash at any
+         point every round is evaluated and in results.json once, and handed out at most once, exactly once
+         unless the kill falls between its mark and its log line)
     write results.json
 
 What is published — results.json, logs, the public checkpoint — holds only what went through the accounted
@@ -41,8 +44,8 @@ import torch
 
 from fed_dp.accounting import BudgetExceededError
 from fed_dp.atomic import write_atomically
-from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, last_published, mark_published, operator_log_file,
-                               resume_with_secret, save_checkpoint)
+from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published, operator_log_file, read_diagnostics,
+                               read_published, resume_with_secret, save_checkpoint)
 from fed_dp.context import in_simulation
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round
@@ -56,7 +59,7 @@ private_log.propagate = False
 private_log.addHandler(logging.NullHandler())
 
 #: The phase boundaries of a round, in order, at which ``run_rounds`` calls ``on_phase(phase, round_index)``.
-PHASES = ("sampled", "replied", "aggregated", "saved", "published")
+PHASES = ("sampled", "replied", "aggregated", "saved", "evaluated", "published")
 
 
 class NoRepliesError(RuntimeError):
@@ -116,6 +119,13 @@ def _write_results(folder: str | Path, records: list[dict[str, Any]]) -> None:
     write_atomically(Path(folder) / RESULTS_NAME, lambda handle: handle.write(text.encode()))
 
 
+def _restore_diagnostics(folder: str | Path, last: dict[str, Any] | None) -> None:
+    """Append the committed round's diagnostics (kept in the secret part) when a crash came between the commit
+    and their append to ``secret/diagnostics.jsonl``."""
+    if last is not None and all(written["round"] != last["round"] for written in read_diagnostics(folder)[-1:]):
+        append_diagnostics(folder, last)
+
+
 def _evaluate_now(round_index: int, rounds: int, eval_every: int) -> bool:
     return eval_every > 0 and ((round_index + 1) % eval_every == 0 or round_index + 1 == rounds)
 
@@ -154,15 +164,18 @@ def run_rounds(
     records: list[dict[str, Any]] = []
 
     def publish(record: dict[str, Any]) -> None:
-        """Evaluate, log and hand out a committed round's record; then mark it published."""
+        """Evaluate a committed round; mark it published with its evaluated record (durable before anything is
+        handed out, so a crash can neither lose the evaluation nor hand the round out twice); log it and hand
+        it to ``on_round``."""
         if evaluate is not None and _evaluate_now(record["round"], rounds, eval_every):
             record.update(evaluate(state.round, state.params))
+        phase("evaluated", record["round"])
+        if checkpoint_dir:
+            mark_published(checkpoint_dir, public_record(record))
         log.info("round %d/%d: epsilon %s, delta %g", record["round"] + 1, rounds, _format_epsilon(record["epsilon"]),
                  record["delta"])
         if on_round is not None:
             on_round(record)
-        if checkpoint_dir:
-            mark_published(checkpoint_dir, record["round"])
 
     if checkpoint_dir:
         restored = resume_with_secret(state, checkpoint_dir)
@@ -173,8 +186,12 @@ def run_rounds(
                        for i, record in enumerate(extra.get("records", []))]
             log.info("resumed from %s at round %d (epsilon so far %.4g)", checkpoint_dir, state.round,
                      state.ledger.epsilon)
-            if records and last_published(checkpoint_dir) < records[-1]["round"]:
-                publish(records[-1])  # committed just before a crash, never handed out: the same record, once
+            _restore_diagnostics(checkpoint_dir, secret_extra.get("diagnostics"))
+            published = read_published(checkpoint_dir)
+            if records and published is not None and published["round"] == records[-1]["round"]:
+                records[-1].update(published["record"])  # its evaluation, done after its commit
+            elif records:
+                publish(records[-1])  # committed just before a crash, never marked published: evaluated, handed out
     operator_log = None
     if checkpoint_dir and not simulated:
         operator_log = logging.FileHandler(operator_log_file(checkpoint_dir), encoding="utf-8")
@@ -203,9 +220,11 @@ def run_rounds(
                 metrics.update({f"{NONPRIVATE}{key}": value for key, value in nonprivate.items()})
             records.append(metrics)
             if checkpoint_dir:
+                diagnostics = {"round": plan.round, **nonprivate}
                 save_checkpoint(state, checkpoint_dir, extra={"records": [public_record(r) for r in records]},
-                                secret_extra={"records": [nonprivate_part(r) for r in records]})
-                append_diagnostics(checkpoint_dir, {"round": plan.round, **nonprivate})
+                                secret_extra={"records": [nonprivate_part(r) for r in records],
+                                              "diagnostics": diagnostics})
+                append_diagnostics(checkpoint_dir, diagnostics)
             phase("saved", plan.round)
             for problem in nonprivate.get("dropped", []):
                 private_log.warning("round %d: %s", plan.round + 1, problem)
