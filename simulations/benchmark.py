@@ -196,7 +196,7 @@ def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: i
     records = result.records
     _sync(resolved)
     return {"seconds": seconds, "users": sum(int(r["nonprivate_cohort_size"]) for r in records),
-            "path": "vectorized" if records and records[-1]["vectorized"] else "sequential",
+            "path": "vectorized" if records and records[-1]["nonprivate_vectorized"] else "sequential",
             "round_seconds": [r["nonprivate_round_seconds"] for r in records], "epsilon": records[-1]["epsilon"]}
 
 

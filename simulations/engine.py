@@ -122,8 +122,8 @@ def train(
     on_phase: called at each phase boundary of a round (``fed_dp.server.round_loop.PHASES``).
 
     Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
-    path that ran as ``vectorized``), the optimizer's diagnostics, ``nonprivate_round_seconds`` and evaluation
-    metrics. Keys starting ``nonprivate_`` (counts, losses, durations) stay in memory and in the checkpoint's
+    path that ran as ``vectorized``, all prefixed ``nonprivate_``), the optimizer's diagnostics,
+    ``nonprivate_round_seconds`` and evaluation metrics. Keys starting ``nonprivate_`` (counts, losses, durations) stay in memory and in the checkpoint's
     secret part: ``results.json`` and the public checkpoint never hold them.
     """
     if not isinstance(task, Task):
@@ -156,8 +156,9 @@ def train(
             result, metrics, path = trainer.contribution(
                 round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
                 scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
-            return RoundReplies([_on_cpu(result)], metrics=path_metrics(path),
-                                nonprivate=metrics)  # train_loss, mean_update_norm, fraction_clipped
+            # train_loss, mean_update_norm, fraction_clipped, and the path that ran: which users were sampled
+            # decides it (one step or not), and an empty cohort never falls back from the vectorized path
+            return RoundReplies([_on_cpu(result)], nonprivate={**metrics, **path_metrics(path)})
 
         evaluate = None
         if task.evaluate is not None:

@@ -128,7 +128,7 @@ def test_vectorized_engine_run_matches_the_sequential_one():
                                 seed=4, training="sequential")
     vectorized, records_v = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
                                 seed=4, training="vectorized")
-    assert {r["vectorized"] for r in records_s} == {0.0} and {r["vectorized"] for r in records_v} == {1.0}
+    assert {r["nonprivate_vectorized"] for r in records_s} == {0.0} and {r["nonprivate_vectorized"] for r in records_v} == {1.0}
     torch.testing.assert_close(vectorized.params, sequential.params, rtol=1e-4, atol=1e-5)
     assert [r["epsilon"] for r in records_v] == [r["epsilon"] for r in records_s]
 
