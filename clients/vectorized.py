@@ -398,8 +398,9 @@ def contribution(
 
 
 def path_metrics(path: Path) -> dict[str, float]:
-    """The public record of which path trained a node's users: ``vectorized`` (1 when the users that needed a
-    model per user were vectorized) and ``one_step`` (1 when some trained on the one-step path)."""
+    """The record of which path trained a node's users: ``vectorized`` (1 when the users that needed a model per
+    user were vectorized) and ``one_step`` (1 when some trained on the one-step path). Which users were sampled
+    decides it, so the server keeps it with the non-private diagnostics (``nonprivate_`` in simulations)."""
     return {"vectorized": float(path.endswith("vectorized")), "one_step": float(path.startswith("one-step"))}
 
 

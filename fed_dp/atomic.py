@@ -1,7 +1,9 @@
 """Atomic file writes: write a temporary file in the target folder, fsync it, then ``os.replace`` it.
 
-A crash mid-write leaves the previous file (or none), never a truncated one. Used for checkpoints and
-the BandMF strategy cache.
+A crash mid-write leaves the previous file (or none), never a truncated one, but it may leave the temporary
+file (``<name>.<random>.tmp``, possibly a whole model or noise state): :func:`remove_temporaries` removes those
+of a folder's files when the program that writes them starts again. Used for checkpoints and the BandMF
+strategy cache.
 """
 
 from __future__ import annotations
@@ -31,3 +33,12 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None]
         Path(handle.name).unlink(missing_ok=True)
         raise
     return path
+
+
+def remove_temporaries(folder: str | os.PathLike, name_pattern: str) -> list[Path]:
+    """Remove the temporary files that an interrupted :func:`write_atomically` left in ``folder`` for targets
+    whose names match the glob ``name_pattern``; returns them. Only when no write to them can be under way."""
+    stale = sorted(Path(folder).glob(f"{name_pattern}.*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale

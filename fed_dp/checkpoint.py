@@ -4,9 +4,11 @@
     <folder>/checkpoint-<round>.pt      publishable: model, optimizer state, ε ledger, ζ_t, engine records
     <folder>/secret/                    mode 0700, files mode 0600: never publish or send anywhere
         noise-<round>.pt                the noise stream (source state, BandMF buffer), the sampler (every
-                                        cohort), the clip-bit noise; whoever holds it can remove the noise
+                                        cohort), the clip-bit noise; whoever holds it can remove the noise;
+                                        and the records' exact counts (``nonprivate_*`` of a simulation)
         diagnostics.jsonl               per-round operator diagnostics computed from users' data outside the
-                                        accounted mechanism (cohort sizes, replies, clipped counts)
+                                        accounted mechanism (cohort sizes, replies, clipped counts, the
+                                        round's duration, which grows with the cohort), in every engine
         operator.log                    the same, as log lines: which nodes' sampled users were dropped and
                                         why (no reply, late, malformed), which setting to change
 
@@ -15,10 +17,17 @@ replaces ``checkpoint.json`` — the commit point — and removes the files of e
 moment leaves the previous commit whole; a resume reads the commit record, so the public and the secret part
 always come from the same round. A resumed run continues the ledger (never restarting ε at 0), continues the
 noise stream (never reusing a noise vector) and draws the cohorts the uninterrupted run would have drawn.
+
+No lost or damaged file can make a run start afresh and spend the budget again: ``checkpoint.json`` records
+each part's SHA-256, checked on load (a damaged, truncated or missing part is an error naming the file); files
+of a committed round without ``checkpoint.json`` refuse to start. When a run starts it removes the temporary
+files (``<name>.<random>.tmp``) that writes interrupted by a crash left.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -26,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fed_dp.atomic import write_atomically
+from fed_dp.atomic import remove_temporaries, write_atomically
 from fed_dp.round import ServerState
 
 COMMIT_NAME = "checkpoint.json"
@@ -35,7 +44,8 @@ SECRET_FOLDER = "secret"
 DIAGNOSTICS_NAME = "diagnostics.jsonl"
 OPERATOR_LOG_NAME = "operator.log"
 FORMAT = "fed-dp/server-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: checkpoint.json records each part's SHA-256
+RESULTS_NAME = "results.json"
 
 
 def public_name(round_index: int) -> str:
@@ -54,24 +64,35 @@ def secret_folder(folder: str | os.PathLike) -> Path:
     return path
 
 
-def _save(path: Path, payload: dict[str, Any], mode: int | None = None) -> None:
-    write_atomically(path, lambda handle: torch.save(payload, handle), mode=mode)
+def _save(path: Path, payload: dict[str, Any], mode: int | None = None) -> str:
+    """Write ``payload`` atomically; returns the SHA-256 of the bytes written, which the commit records."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getbuffer()
+    write_atomically(path, lambda handle: handle.write(data), mode=mode)
+    return hashlib.sha256(data).hexdigest()
 
 
-def save_checkpoint(state: ServerState, folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(state: ServerState, folder: str | os.PathLike, extra: dict[str, Any] | None = None,
+                    secret_extra: dict[str, Any] | None = None) -> Path:
     """Commit round ``state.round``: both parts written, then ``checkpoint.json``; returns the public file.
 
-    ``extra`` holds engine data (e.g. the published records so far) and goes into the public part."""
+    ``extra`` holds engine data (e.g. the published records so far) and goes into the public part;
+    ``secret_extra`` (e.g. the records' exact counts) into the secret part."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     secret = secret_folder(folder)
     t = state.round
     public_path = folder / public_name(t)
-    _save(public_path, {"format": FORMAT, "version": VERSION, "state": state.state_dict(), "extra": extra or {}})
-    _save(secret / secret_name(t), {"format": FORMAT, "version": VERSION, "secret": state.secret_state_dict()},
-          mode=0o600)
+    checksums = {
+        "public": _save(public_path, {"format": FORMAT, "version": VERSION, "state": state.state_dict(),
+                                      "extra": extra or {}}),
+        "secret": _save(secret / secret_name(t), {"format": FORMAT, "version": VERSION,
+                                                  "secret": state.secret_state_dict(), "extra": secret_extra or {}},
+                        mode=0o600),
+    }
     commit = {"format": FORMAT, "version": VERSION, "round": t, "public": public_path.name,
-              "secret": f"{SECRET_FOLDER}/{secret_name(t)}"}
+              "secret": f"{SECRET_FOLDER}/{secret_name(t)}", "sha256": checksums}
     write_atomically(folder / COMMIT_NAME, lambda handle: handle.write(json.dumps(commit).encode()))
     for stale in [*folder.glob("checkpoint-*.pt"), *secret.glob("noise-*.pt")]:
         if stale.name not in (public_name(t), secret_name(t)):
@@ -79,22 +100,51 @@ def save_checkpoint(state: ServerState, folder: str | os.PathLike, extra: dict[s
     return public_path
 
 
+def _unrecorded(folder: Path) -> list[Path]:
+    """Files of a run that has committed a round, in a folder without ``checkpoint.json``. The parts of round 1
+    alone are not among them: they are what a crash before the first commit leaves (nothing released yet);
+    once round 1 is committed, ``secret/diagnostics.jsonl`` exists too."""
+    first = {public_name(1), secret_name(1)}
+    parts = [*folder.glob("checkpoint-*.pt"), *(folder / SECRET_FOLDER).glob("noise-*.pt")]
+    return sorted([p for p in parts if p.name not in first]
+                  + [p for p in (folder / PUBLISHED_NAME, folder / SECRET_FOLDER / DIAGNOSTICS_NAME) if p.exists()])
+
+
 def _commit(folder: Path) -> dict[str, Any] | None:
     path = folder / COMMIT_NAME
     if not path.exists():
+        orphans = _unrecorded(folder)
+        if orphans:
+            raise ValueError(
+                f"{folder} holds files of a run that has released rounds ({', '.join(p.name for p in orphans)}) but "
+                f"no {COMMIT_NAME}, the record of which round they belong to; starting afresh would spend the privacy "
+                f"budget again and forget the rounds already released. Restore {COMMIT_NAME} from a backup of the "
+                "folder; start afresh (in another folder) only if none of its rounds was ever published")
         return None
     try:
         commit = json.loads(path.read_text())
     except json.JSONDecodeError:
         commit = None
-    if not isinstance(commit, dict) or commit.get("format") != FORMAT or commit.get("version") != VERSION:
+    if not isinstance(commit, dict) or commit.get("format") != FORMAT or commit.get("version") != VERSION \
+            or not isinstance(commit.get("sha256"), dict):
         raise ValueError(f"{path} is not a fed-dp checkpoint record of version {VERSION}; move the folder away "
                          "to start afresh")
     return commit
 
 
-def _load(path: Path) -> dict[str, Any]:
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+def _load(folder: Path, commit: dict[str, Any], part: str) -> dict[str, Any]:
+    """The ``part`` ("public" or "secret") of the commit, after checking its SHA-256 against the record."""
+    path = folder / commit[part]
+    keep = ("do not start afresh, which would spend the privacy budget again and forget the rounds already "
+            "released")
+    if not path.exists():
+        raise ValueError(f"{path} is missing, but {folder / COMMIT_NAME} records it as the {part} part of round "
+                         f"{commit['round']}: restore it from a backup of the folder; {keep}")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != commit["sha256"].get(part):
+        raise ValueError(f"{path} is damaged or truncated: its SHA-256 differs from the one {COMMIT_NAME} recorded "
+                         f"when round {commit['round']} was committed. Restore it from a backup of the folder; {keep}")
+    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("version") != VERSION:
         raise ValueError(f"{path} is not a fed-dp server checkpoint of version {VERSION}; move it away to start afresh")
     return payload
@@ -103,13 +153,13 @@ def _load(path: Path) -> dict[str, Any]:
 def load_checkpoint(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The publishable part of the committed checkpoint (``{"state", "extra", ...}``), or None when none."""
     commit = _commit(Path(folder))
-    return None if commit is None else _load(Path(folder) / commit["public"])
+    return None if commit is None else _load(Path(folder), commit, "public")
 
 
 def load_secret(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The secret part of the committed checkpoint, or None when none."""
     commit = _commit(Path(folder))
-    return None if commit is None else _load(Path(folder) / commit["secret"])["secret"]
+    return None if commit is None else _load(Path(folder), commit, "secret")["secret"]
 
 
 def resume(state: ServerState, folder: str | os.PathLike) -> dict[str, Any] | None:
@@ -117,23 +167,47 @@ def resume(state: ServerState, folder: str | os.PathLike) -> dict[str, Any] | No
 
     The state must be built from the same configuration (checked: a checkpoint of another privacy
     configuration is refused, so a ledger can never be continued under different accounting)."""
-    payload = load_checkpoint(folder)
-    if payload is None:
+    restored = resume_with_secret(state, folder)
+    return None if restored is None else restored[0]
+
+
+def resume_with_secret(state: ServerState, folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """:func:`resume`, returning the public ``extra`` and the ``secret_extra`` of the committed checkpoint.
+
+    Called when a run starts: it first removes the temporary files of writes that a crash interrupted."""
+    folder = Path(folder)
+    remove_stale_temporaries(folder)
+    commit = _commit(folder)
+    if commit is None:
         return None
-    state.load_state_dict(payload["state"], load_secret(folder))
-    return payload["extra"]
+    public, secret = _load(folder, commit, "public"), _load(folder, commit, "secret")
+    state.load_state_dict(public["state"], secret["secret"])
+    return public["extra"], secret.get("extra", {})
 
 
-def mark_published(folder: str | os.PathLike, round_index: int) -> None:
-    """Record that round ``round_index``'s record was handed out (logged, evaluated, passed to the caller)."""
-    write_atomically(Path(folder) / PUBLISHED_NAME, lambda handle: handle.write(json.dumps({"round": round_index}).encode()))
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted atomic writes left of the checkpoint folder's files (whole models, noise states):
+    only when the run that writes them starts, never while one may be writing."""
+    folder = Path(folder)
+    names = ("checkpoint-*.pt", COMMIT_NAME, PUBLISHED_NAME, RESULTS_NAME)
+    return [*(path for name in names for path in remove_temporaries(folder, name)),
+            *remove_temporaries(folder / SECRET_FOLDER, "noise-*.pt")]
 
 
-def last_published(folder: str | os.PathLike) -> int:
-    """The last round whose record was handed out (−1 when none), so that a resume hands out a committed round
-    exactly once even when the server died between committing it and handing it out."""
+def mark_published(folder: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Record, atomically, that round ``record["round"]`` is published, with its record as published (evaluation
+    included; public keys only): written before the record is handed out, so that the evaluation is durable
+    before the round counts as published and a crash never hands a round out twice."""
+    text = json.dumps({"round": record["round"], "record": record}, default=str)
+    write_atomically(Path(folder) / PUBLISHED_NAME, lambda handle: handle.write(text.encode()))
+
+
+def read_published(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The last published round's ``{"round", "record"}`` (None when none), so that a resume never hands out a
+    round twice, and restores the evaluation of the round published last, which the commit of that round does
+    not hold (it is evaluated after its commit)."""
     path = Path(folder) / PUBLISHED_NAME
-    return int(json.loads(path.read_text())["round"]) if path.exists() else -1
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def append_diagnostics(folder: str | os.PathLike, record: dict[str, Any]) -> None:

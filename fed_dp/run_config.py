@@ -145,14 +145,15 @@ KEYS: tuple[Key, ...] = (
     Key("server", "max-empty-rounds", int, 2, "stop with an error after this many rounds in a row in which "
         "users were sampled but no valid reply came"),
     Key("server", "noise-source", str, "auto", "Gaussian noise from secure (AES-CTR keyed from OS entropy) or "
-        "torch (a seeded generator, reproducible); auto: secure in a deployment without run.seed, else torch",
+        "torch (a seeded generator, reproducible); auto: secure in a Flower run without FED_DP_SERVER_SEED, else torch",
         choices=("auto", "secure", "torch")),
     Key("client", "device", str, "auto", "where users train: auto (CUDA when present), cpu, cuda, cuda:N"),
     Key("client", "training", str, "auto", "auto (users whose update is one full-batch step: without a model per user; the others "
         "vectorized over users on CUDA, one at a time on the CPU), vectorized or sequential", choices=TRAINING_PATHS),
     Key("client", "chunk-size", int, None, "most users in one vectorized call (unset: from memory)", unset=0),
-    Key("run", "seed", int, None, "seeds model, sampler, noise and local training: a reproducible research run; "
-        "unset: OS entropy", unset=-1),
+    Key("run", "seed", int, None, "seeds the model and local training, and in fed-dp simulate the sampler and noise "
+        "too (a reproducible research run); a Flower run sends it to every client, so its sampler and noise come "
+        "from FED_DP_SERVER_SEED in the server's environment, else OS entropy; unset: OS entropy", unset=-1),
     Key("run", "eval-every", int, 1, "evaluate the model every k rounds and after the last (0: never)"),
 )
 

@@ -117,7 +117,10 @@ class UserLevelDP(Strategy):
     optimizer: a server optimizer or its name (``fed_dp.optimizers.OPTIMIZERS``).
     adaptive_clipping: optional adaptive clipping (independent noise only).
     seed: None (real runs: sampler, noise and local-training seeds from OS entropy) or an int for a
-        reproducible research run (logged as such).
+        reproducible research run (logged as such). It stays in the server: clients get only a seed derived
+        from it for their local training.
+    training_seed: seeds the clients' local training instead of ``seed`` (the ServerApp passes ``run.seed``,
+        which every client can read in the run config, so that it never seeds the sampler or the noise).
     checkpoint_dir: folder for the checkpoints (every round; ``fed_dp.checkpoint``: a publishable part and a
         secret part) and ``results.json``; resumes from it.
     evaluate_every: centralized evaluation every k rounds and after the last (0: never).
@@ -132,7 +135,7 @@ class UserLevelDP(Strategy):
 
     def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = "dp-adam", *,
                  adaptive_clipping: AdaptiveClipConfig | None = None, seed: int | None = None,
-                 checkpoint_dir: str | None = None, evaluate_every: int = 1, max_empty_rounds: int = 2,
+                 training_seed: int | None = None, checkpoint_dir: str | None = None, evaluate_every: int = 1, max_empty_rounds: int = 2,
                  min_nodes: int = 1, node_wait: float = 60.0,
                  on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str | None = None) -> None:
         super().__init__()
@@ -146,8 +149,9 @@ class UserLevelDP(Strategy):
             raise ValueError(f"optimizer must be a name or a fed_dp ServerOptimizer, got {type(optimizer).__name__}")
         if not self.optimizer.private and not in_simulation():
             raise ValueError("this optimizer is not private (a noiseless baseline); it exists only in simulations")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+        for name, value in (("seed", seed), ("training_seed", training_seed)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         for name, value in (("evaluate_every", evaluate_every), ("max_empty_rounds", max_empty_rounds - 1),
                             ("min_nodes", min_nodes - 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -165,7 +169,8 @@ class UserLevelDP(Strategy):
         if self.noise_source not in ("secure", "torch"):
             raise ValueError(f"noise_source must be 'secure', 'torch' or None, got {noise_source!r}")
         # the clients' seed for their local shuffles: independent of the sampler's and the noise's
-        self.client_seed = derive_seed(seed, "local-training") if seed is not None else entropy_seed()
+        shared = training_seed if training_seed is not None else seed
+        self.client_seed = derive_seed(shared, "local-training") if shared is not None else entropy_seed()
         self._pending: tuple[RoundPlan, list[Message], dict[int, int], int] | None = None
 
     # --- set-up ------------------------------------------------------------------------------------------------
@@ -326,7 +331,7 @@ class UserLevelDP(Strategy):
         log.info("UserLevelDP: N = %s, B = %d, T = %d, sigma %s, clip %g, sampler %s, noise %s, accountant %s, "
                  "optimizer %s; %s", config.num_users, config.expected_cohort, config.rounds, sigma, config.clip_norm,
                  config.sampler, config.noise, config.accountant, self.optimizer.describe(),
-                 f"explicit seed {self.seed} (reproducible research run), {self.noise_source} noise"
+                 f"sampler and noise from the server's seed (reproducible research run), {self.noise_source} noise"
                  if self.seed is not None else f"seeds from OS entropy, {self.noise_source} noise")
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None, timeout: float = 120.0,

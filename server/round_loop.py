@@ -6,20 +6,25 @@
         replies         = exchange(plan)            # Flower messages, or local training in this process
         state, metrics  = finish_round(state, plan, replies.contributions)
         checkpoint      (public and secret parts committed atomically, before anything of round t is
-                         evaluated, logged or handed to the caller; a round committed but not yet handed
-                         out when the server died is handed out once when the run resumes, recomputing
-                         nothing)
+                         evaluated, logged or handed to the caller)
         stop with NoRepliesError after ``max_empty_rounds`` rounds in a row in which users were sampled but
             none was counted: the budget is not spent on noise alone
-        evaluate every ``eval_every`` rounds and after the last; log ε; hand the record to ``on_round``
+        evaluate every ``eval_every`` rounds and after the last; mark the round published in published.json
+            with its evaluated record (atomic); then log ε and hand the record to ``on_round``
+        (a resumed run publishes a round committed but not marked published, evaluating it again from the
+         committed state, and restores the evaluation of the round marked last: across a crash at any
+         point every round is evaluated and in results.json once, and handed out at most once, exactly once
+         unless the kill falls between its mark and its log line)
     write results.json
 
-What is published — records, results.json, logs, the public checkpoint — holds only what went through the
-accounted mechanism or is public anyway: ε, δ, the update norm, the optimizer's diagnostics (post-processing),
-adaptive clipping's ζ_t, evaluation on the server's held-out data, and which nodes failed and why. Exact
-counts computed from users' data (cohort size, replies, clipped users, local training losses) are not: in a
-simulation (``fed_dp.context.simulation()``) records keep them under names starting ``nonprivate_``; in a
-deployment they go only to the operator's ``secret/diagnostics.jsonl`` in the checkpoint folder.
+What is published — results.json, logs, the public checkpoint — holds only what went through the accounted
+mechanism or is public anyway: ε, δ, the update norm, the optimizer's diagnostics (post-processing), adaptive
+clipping's ζ_t, evaluation on the server's held-out data. What is computed from users' data outside the
+mechanism is not: exact counts (cohort size, replies, clipped users), local training losses, which nodes
+failed, and the round's duration (it grows with the cohort: about 10 ms per user in process, and it shows
+which node missed the deadline). It goes to the operator's ``secret/diagnostics.jsonl`` in the checkpoint
+folder, in every engine; a simulation (``fed_dp.context.simulation()``) also keeps it in the records it
+returns, under names starting ``nonprivate_``, and in the checkpoint's secret part, never in a published file.
 
 The engines differ only in ``exchange`` (how the plan reaches users and their contributions come back) and in
 ``evaluate``; all DP math is in ``fed_dp.round``.
@@ -38,8 +43,9 @@ from typing import Any
 import torch
 
 from fed_dp.accounting import BudgetExceededError
-from fed_dp.checkpoint import (append_diagnostics, last_published, mark_published, operator_log_file, resume,
-                               save_checkpoint)
+from fed_dp.atomic import write_atomically
+from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published, operator_log_file, read_diagnostics,
+                               read_published, resume_with_secret, save_checkpoint)
 from fed_dp.context import in_simulation
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round
@@ -53,7 +59,7 @@ private_log.propagate = False
 private_log.addHandler(logging.NullHandler())
 
 #: The phase boundaries of a round, in order, at which ``run_rounds`` calls ``on_phase(phase, round_index)``.
-PHASES = ("sampled", "replied", "aggregated", "saved", "published")
+PHASES = ("sampled", "replied", "aggregated", "saved", "evaluated", "published")
 
 
 class NoRepliesError(RuntimeError):
@@ -94,6 +100,32 @@ def _why_no_replies(nonprivate: dict[str, Any], checkpoint_dir: str | None, simu
             "written to its secret/operator.log")
 
 
+NONPRIVATE = "nonprivate_"
+
+
+def public_record(record: dict[str, Any]) -> dict[str, Any]:
+    """What of a record may be published: every key but the ``nonprivate_`` ones."""
+    return {key: value for key, value in record.items() if not key.startswith(NONPRIVATE)}
+
+
+def nonprivate_part(record: dict[str, Any]) -> dict[str, Any]:
+    """The ``nonprivate_`` keys of a record (a simulation's exact counts): they go to the secret part only."""
+    return {key: value for key, value in record.items() if key.startswith(NONPRIVATE)}
+
+
+def _write_results(folder: str | Path, records: list[dict[str, Any]]) -> None:
+    """``results.json``: the published records (no ``nonprivate_`` key), written atomically."""
+    text = json.dumps([public_record(record) for record in records], indent=1, default=str)
+    write_atomically(Path(folder) / RESULTS_NAME, lambda handle: handle.write(text.encode()))
+
+
+def _restore_diagnostics(folder: str | Path, last: dict[str, Any] | None) -> None:
+    """Append the committed round's diagnostics (kept in the secret part) when a crash came between the commit
+    and their append to ``secret/diagnostics.jsonl``."""
+    if last is not None and all(written["round"] != last["round"] for written in read_diagnostics(folder)[-1:]):
+        append_diagnostics(folder, last)
+
+
 def _evaluate_now(round_index: int, rounds: int, eval_every: int) -> bool:
     return eval_every > 0 and ((round_index + 1) % eval_every == 0 or round_index + 1 == rounds)
 
@@ -132,24 +164,34 @@ def run_rounds(
     records: list[dict[str, Any]] = []
 
     def publish(record: dict[str, Any]) -> None:
-        """Evaluate, log and hand out a committed round's record; then mark it published."""
+        """Evaluate a committed round; mark it published with its evaluated record (durable before anything is
+        handed out, so a crash can neither lose the evaluation nor hand the round out twice); log it and hand
+        it to ``on_round``."""
         if evaluate is not None and _evaluate_now(record["round"], rounds, eval_every):
             record.update(evaluate(state.round, state.params))
+        phase("evaluated", record["round"])
+        if checkpoint_dir:
+            mark_published(checkpoint_dir, public_record(record))
         log.info("round %d/%d: epsilon %s, delta %g", record["round"] + 1, rounds, _format_epsilon(record["epsilon"]),
                  record["delta"])
         if on_round is not None:
             on_round(record)
-        if checkpoint_dir:
-            mark_published(checkpoint_dir, record["round"])
 
     if checkpoint_dir:
-        extra = resume(state, checkpoint_dir)
-        if extra is not None:
-            records = list(extra.get("records", []))
+        restored = resume_with_secret(state, checkpoint_dir)
+        if restored is not None:
+            extra, secret_extra = restored
+            hidden = secret_extra.get("records", [])
+            records = [{**record, **(hidden[i] if i < len(hidden) else {})}
+                       for i, record in enumerate(extra.get("records", []))]
             log.info("resumed from %s at round %d (epsilon so far %.4g)", checkpoint_dir, state.round,
                      state.ledger.epsilon)
-            if records and last_published(checkpoint_dir) < records[-1]["round"]:
-                publish(records[-1])  # committed just before a crash, never handed out: the same record, once
+            _restore_diagnostics(checkpoint_dir, secret_extra.get("diagnostics"))
+            published = read_published(checkpoint_dir)
+            if records and published is not None and published["round"] == records[-1]["round"]:
+                records[-1].update(published["record"])  # its evaluation, done after its commit
+            elif records:
+                publish(records[-1])  # committed just before a crash, never marked published: evaluated, handed out
     operator_log = None
     if checkpoint_dir and not simulated:
         operator_log = logging.FileHandler(operator_log_file(checkpoint_dir), encoding="utf-8")
@@ -171,15 +213,18 @@ def run_rounds(
             state, metrics = finish_round(state, plan, replies.contributions)
             nonprivate = {**metrics.pop("nonprivate"), **replies.nonprivate}
             phase("aggregated", plan.round)
-            metrics["round_seconds"] = time.perf_counter() - started  # sampling, exchange, server round
+            # sampling, exchange, server round: it grows with the cohort, so it is the operator's, not published
+            nonprivate["round_seconds"] = time.perf_counter() - started
             metrics.update(replies.metrics)
-            if simulated:  # research runs on data the researcher holds: diagnostics stay, marked as such
-                metrics.update({f"nonprivate_{key}": value for key, value in nonprivate.items()})
+            if simulated:  # research runs on data the researcher holds: diagnostics stay in memory, marked
+                metrics.update({f"{NONPRIVATE}{key}": value for key, value in nonprivate.items()})
             records.append(metrics)
             if checkpoint_dir:
-                save_checkpoint(state, checkpoint_dir, extra={"records": records})
-                if not simulated:
-                    append_diagnostics(checkpoint_dir, {"round": plan.round, **nonprivate})
+                diagnostics = {"round": plan.round, **nonprivate}
+                save_checkpoint(state, checkpoint_dir, extra={"records": [public_record(r) for r in records]},
+                                secret_extra={"records": [nonprivate_part(r) for r in records],
+                                              "diagnostics": diagnostics})
+                append_diagnostics(checkpoint_dir, diagnostics)
             phase("saved", plan.round)
             for problem in nonprivate.get("dropped", []):
                 private_log.warning("round %d: %s", plan.round + 1, problem)
@@ -198,6 +243,5 @@ def run_rounds(
             private_log.removeHandler(operator_log)
             operator_log.close()
         if checkpoint_dir:
-            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-            Path(checkpoint_dir, "results.json").write_text(json.dumps(records, indent=1, default=str))
+            _write_results(checkpoint_dir, records)
     return LoopResult(state, records, stopped)

@@ -24,7 +24,7 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
       minibatches (the local-training compute alone, the floor of every system above).
 
     Time = wall time of the 10 rounds (Flower: ``strategy.start``; the project's apps: the sum of the
-    server's ``round_seconds``; the engine: its ``run`` call). The engine's rounds read ε from the
+    server's ``round_seconds`` in its secret diagnostics; the engine: its ``run`` call). The engine's rounds read ε from the
     memoized accounting (computed once per configuration, timed separately as ``accounting``); the
     project's ServerApp accounts inside its rounds. Medians, min–max and the ratio of medians to
     ``flower-dp`` are printed. Every system trains the same users (``synthetic.w1_user_data``) on the
@@ -196,8 +196,8 @@ def engine_run(task, privacy: PrivacyConfig, training: LocalTraining, *, seed: i
     records = result.records
     _sync(resolved)
     return {"seconds": seconds, "users": sum(int(r["nonprivate_cohort_size"]) for r in records),
-            "path": "vectorized" if records and records[-1]["vectorized"] else "sequential",
-            "round_seconds": [r["round_seconds"] for r in records], "epsilon": records[-1]["epsilon"]}
+            "path": "vectorized" if records and records[-1]["nonprivate_vectorized"] else "sequential",
+            "round_seconds": [r["nonprivate_round_seconds"] for r in records], "epsilon": records[-1]["epsilon"]}
 
 
 def plain_training_seconds(task, users_per_round: list[list[int]], training: LocalTraining, *,
@@ -302,7 +302,7 @@ def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: fl
     if len(records) != spec.rounds:
         raise RuntimeError(f"the project's Flower apps ran {len(records)} of {spec.rounds} rounds; log tail:\n"
                            + "\n".join(log.splitlines()[-30:]))
-    return {"seconds": sum(r["round_seconds"] for r in records), "total_seconds": total,
+    return {"seconds": sum(r["round_seconds"] for r in read_diagnostics(checkpoint)), "total_seconds": total,
             "users": sum(int(r["replied_users"]) for r in read_diagnostics(checkpoint)),  # the operator's counts
             "epsilon": records[-1]["epsilon"]}
 
@@ -681,7 +681,7 @@ def bench_deployment(nodes: int, rounds: int, folder: Path, log=print) -> dict[s
                          "client.device": "cpu"}, timeout=60 + 120 * rounds)
         if outcome.status != "finished:completed":
             raise RuntimeError(f"the project's apps did not complete ({outcome.status}):\n{d.diagnostics()}")
-        return [r["round_seconds"] for r in json.loads((checkpoint / "results.json").read_text())]
+        return [r["round_seconds"] for r in read_diagnostics(checkpoint)]  # the operator's: it tracks the cohort
 
     with deployment(folder / "plain", None) as d:
         start(d, service=False)

@@ -142,10 +142,10 @@ def exchange_round(workers: Workers, trainer: LocalTrainer, plan: RoundPlan, see
     mean = (lambda x: x / count) if count else (lambda x: math.nan)
     result = Contribution(total.cpu(), count, None if squares is None else squares.cpu(), source="simulation",
                           unclipped=int(unclipped), scaled=plan.scale is not None)
-    return RoundReplies([result], metrics={"vectorized": float(count > 0 and vectorized == n),
-                                           "processes": float(workers.world)},  # the ranks that trained the round
+    return RoundReplies([result], metrics={"processes": float(workers.world)},  # the ranks that trained the round
                         nonprivate={"train_loss": mean(loss), "mean_update_norm": mean(norm),
-                                    "fraction_clipped": mean(clipped)})
+                                    "fraction_clipped": mean(clipped),  # the path, like the losses, needs users:
+                                    "vectorized": float(count > 0 and vectorized == n)})  # an empty cohort shows
 
 
 def stop_workers(workers: Workers) -> None:

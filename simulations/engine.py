@@ -91,6 +91,7 @@ def train(
     *,
     adaptive_clipping: AdaptiveClipConfig | None = None,
     seed: int | None = None,
+    training_seed: int | None = None,
     eval_every: int = 1,
     device: str | torch.device = "auto",
     training: str = "auto",
@@ -110,6 +111,9 @@ def train(
         are allowed here, in a simulation, and report ``"not private"``).
     local: local training of each user (default ``LocalTraining()``).
     seed: None (model, sampler, noise and local training from OS entropy) or an int: a reproducible research run.
+    training_seed: seeds only the model's initialization and the users' local training (default: ``seed``); the
+        sampler and the noise still come from ``seed``. ``fed-dp simulate`` without ``run.seed`` writes this seed
+        to its results and keeps ``seed`` (the cohorts and the noise) in memory only.
     eval_every: evaluate with ``task.evaluate`` every k rounds and after the last (0: never).
     device / training / chunk_size: where and how users train (``LocalTrainer``).
     checkpoint_dir: save every round there and resume from it.
@@ -118,7 +122,9 @@ def train(
     on_phase: called at each phase boundary of a round (``fed_dp.server.round_loop.PHASES``).
 
     Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
-    path that ran as ``vectorized``), the optimizer's diagnostics, ``round_seconds`` and evaluation metrics.
+    path that ran as ``vectorized``, all prefixed ``nonprivate_``), the optimizer's diagnostics,
+    ``nonprivate_round_seconds`` and evaluation metrics. Keys starting ``nonprivate_`` (counts, losses, durations) stay in memory and in the checkpoint's
+    secret part: ``results.json`` and the public checkpoint never hold them.
     """
     if not isinstance(task, Task):
         raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")
@@ -131,7 +137,7 @@ def train(
     with simulation():
         if isinstance(optimizer, str):
             optimizer = make_optimizer(optimizer)
-        run_seed = seed if seed is not None else entropy_seed()
+        run_seed = training_seed if training_seed is not None else seed if seed is not None else entropy_seed()
         if workers is not None:
             run_seed = share_seed(workers, run_seed)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
@@ -150,8 +156,9 @@ def train(
             result, metrics, path = trainer.contribution(
                 round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
                 scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
-            return RoundReplies([_on_cpu(result)], metrics=path_metrics(path),
-                                nonprivate=metrics)  # train_loss, mean_update_norm, fraction_clipped
+            # train_loss, mean_update_norm, fraction_clipped, and the path that ran: which users were sampled
+            # decides it (one step or not), and an empty cohort never falls back from the vectorized path
+            return RoundReplies([_on_cpu(result)], nonprivate={**metrics, **path_metrics(path)})
 
         evaluate = None
         if task.evaluate is not None:

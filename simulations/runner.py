@@ -4,10 +4,13 @@ A config is a run configuration (``fed_dp.run_config``: tables ``[task]``, ``[pr
 ``[local]``, ``[adaptive]``, ``[client]``, ``[run]``; keys hyphenated, as in Flower run configs) plus two
 experiment keys: ``run.optimizers = [names]`` trains each of these optimizers with the same seeds, and
 ``[optimizers.NAME]`` tables hold their hyper-parameters (the keys of ``[optimizer]``). See
-``simulations/configs/`` and the README.
+``simulations/configs/`` and the README. Of ``[server]``, ``checkpoint-dir`` (one folder per optimizer),
+``max-empty-rounds`` and ``noise-source`` act; the keys that wait for SuperNodes are refused
+(:data:`FLOWER_ONLY_KEYS`).
 
 Each run writes to its output folder: ``config.json`` (the config as given, and what was resolved: N, the
-calibrated σ, the seed), ``rounds-NAME.jsonl`` (one record per round: round, ε, losses, accuracies, per-group
+calibrated σ, the seed of the model and local training; the seed of the sampler and the noise only when the
+config gave ``run.seed``), ``rounds-NAME.jsonl`` (one record per round: round, ε, losses, accuracies, per-group
 metrics, optimizer diagnostics) and ``summary.json`` (the table printed at the end).
 """
 
@@ -16,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import secrets
 import time
 import tomllib
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from fed_dp.clients.task import Task, build_task
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import OPTIMIZERS
+from fed_dp.randomness import entropy_seed
 from fed_dp.run_config import RunConfig, apply_overrides
 from fed_dp.simulations.engine import train
 
@@ -73,8 +76,24 @@ class Experiment:
         return self.base.privacy
 
 
-def parse_experiment(config: dict[str, Any]) -> Experiment:
-    """Validate a whole config (every optimizer's run configuration) before anything runs."""
+#: Keys that only a Flower run acts on (they wait for SuperNodes and their replies): an in-process command refuses
+#: them rather than ignore them.
+FLOWER_ONLY_KEYS = ("server.reply-timeout", "server.min-nodes", "server.node-wait")
+
+
+def refuse_keys(config: dict[str, Any], keys: tuple[str, ...], command: str, why: str) -> None:
+    """Raise when ``config`` gives any of the dotted ``keys``, which ``command`` does not act on (``why``)."""
+    given = [key for key in keys if key.partition(".")[2] in (config.get(key.partition(".")[0]) or {})]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect in {command}: {why}; "
+                         "remove it from the config")
+
+
+def parse_experiment(config: dict[str, Any], command: str = "fed-dp simulate") -> Experiment:
+    """Validate a whole config (every optimizer's run configuration) before anything runs; keys that only a
+    Flower run acts on are refused (``command`` names the command in the message)."""
+    refuse_keys(config, FLOWER_ONLY_KEYS, command, "it trains in this process, without SuperNodes (they are for "
+                "Flower runs)")
     tables = copy.deepcopy(config)
     hyper = tables.pop("optimizers", {})
     run_table = tables.setdefault("run", {})
@@ -130,6 +149,35 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([render(header), render(["-" * w for w in widths])] + [render(line) for line in lines])
 
 
+@dataclass(frozen=True)
+class RunSeeds:
+    """The seeds of an experiment, shared by its optimizers (the same cohorts, noise and initial model for each).
+
+    ``privacy`` seeds the sampler and the noise: with ``run.seed`` it is that seed (a research run, reproducible
+    by whoever reads the config); without, it comes from OS entropy, stays in memory and is written nowhere,
+    because whoever knows it can rebuild every cohort and subtract the noise. ``training`` seeds the model's
+    initialization and local training and is the one written to config.json and the log."""
+
+    privacy: int
+    training: int
+    note: str
+
+
+def run_seeds(seed: int | None) -> RunSeeds:
+    """The seeds for ``run.seed`` (None: the noise and sampler seed and the training seed from OS entropy)."""
+    if seed is not None:
+        return RunSeeds(seed, seed, "run.seed: model, local training, sampler and noise are reproducible from it "
+                        "(a research run; anyone who reads it can rebuild the cohorts and remove the noise)")
+    return RunSeeds(entropy_seed(), entropy_seed(), "the seed of the model's initialization and local training, "
+                    "from OS entropy; the sampler and the noise were seeded from OS entropy too and that seed is "
+                    "written nowhere")
+
+
+def checkpoint_folder(checkpoint_dir: str | None, optimizer: str) -> str | None:
+    """``server.checkpoint-dir/<optimizer>``: each optimizer of an experiment checkpoints, and resumes, there."""
+    return None if checkpoint_dir is None else str(Path(checkpoint_dir) / optimizer)
+
+
 def run_experiment(
     config: dict[str, Any], out_dir: str | Path, *, progress: bool = True, log=print, task: Task | None = None,
     write: bool = True,
@@ -143,22 +191,21 @@ def run_experiment(
     base = experiment.base
     task = task if task is not None else build_task(base.task)
     privacy = resolve_privacy(base.privacy, task.num_users)  # σ calibrated once, shared by every optimizer
-    seed = base.run.seed if base.run.seed is not None else secrets.randbits(62)
+    seeds = run_seeds(base.run.seed)
     out = Path(out_dir)
     if write:
         out.mkdir(parents=True, exist_ok=True)
     resolved = {**copy.deepcopy(config), "resolved": {
         "num_users": task.num_users, "noise_multiplier": privacy.noise_multiplier,
         "calibrated_from_target_epsilon": base.privacy.target_epsilon, "task": task.description or task.name,
-        "seed": seed, "seed_note": "explicit seed: sampler and noise are reproducible (research run)"
-        if base.run.seed is not None else "seed drawn from OS entropy for this run, shared by its optimizers",
+        "seed": seeds.training, "seed_note": seeds.note,
     }}
     if write:
         (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
     log(f"task: {task.description or task.name}")
     log(f"privacy: N = {task.num_users}, B = {privacy.expected_cohort}, T = {privacy.rounds}, "
         f"sigma = {privacy.noise_multiplier:.4f}, clip = {privacy.clip_norm}, sampler = {privacy.sampler}, "
-        f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seed}")
+        f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seeds.training}")
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
     # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
     schedule = epsilon_schedule(privacy).epsilons
@@ -180,9 +227,12 @@ def run_experiment(
         try:
             result = train(task, privacy, run.optimizer.build(), run.local,
                            adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
-                           seed=seed, eval_every=run.run.eval_every, device=run.client.device,
-                           training=run.client.training, chunk_size=run.client.chunk_size, on_round=on_round,
-                           noise_source=run.server.chosen_noise_source or "torch")
+                           seed=seeds.privacy, training_seed=seeds.training, eval_every=run.run.eval_every,
+                           device=run.client.device, training=run.client.training,
+                           chunk_size=run.client.chunk_size, on_round=on_round,
+                           noise_source=run.server.chosen_noise_source or "torch",
+                           checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
+                           max_empty_rounds=run.server.max_empty_rounds)
         finally:
             bar.close()
         if write:

@@ -98,3 +98,59 @@ def test_public_and_secret_parts_of_different_rounds_are_refused(tmp_path):
     state, _ = _round(state)
     with pytest.raises(ValueError, match="not written together"):
         state.load_state_dict(state.state_dict(), {**state.secret_state_dict(), "round": 0})
+
+
+def _two_rounds_saved(folder):
+    state = init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
+    for _ in range(2):
+        state, _ = _round(state)
+        save_checkpoint(state, folder)
+    return init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
+
+
+@pytest.mark.parametrize("part", ["checkpoint-000002.pt", "secret/noise-000002.pt"])
+@pytest.mark.parametrize("damage", ["flip one bit", "truncate"])
+def test_a_damaged_or_truncated_part_is_refused_naming_the_file(tmp_path, part, damage):
+    """Issue 25 item 8: on main a part with one flipped bit loaded (torch does not check the zip's CRC) and a
+    truncated one failed with an OSError or EOFError naming no file. checkpoint.json now records each part's
+    SHA-256, checked on load."""
+    fresh = _two_rounds_saved(tmp_path)
+    data = bytearray((tmp_path / part).read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x10
+    (tmp_path / part).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{tmp_path / part} is damaged or truncated: .*Restore it from a backup"):
+        resume(fresh, tmp_path)
+    (tmp_path / part).unlink()
+    with pytest.raises(ValueError, match=rf"{tmp_path / part} is missing"):
+        resume(fresh, tmp_path)
+
+
+def test_checkpoint_files_without_their_record_refuse_to_start(tmp_path):
+    """Issue 25 item 8: on main a folder whose checkpoint.json was lost started again from round 0, spending the
+    budget again. Files of a committed round without the record now refuse to start, naming them; only the
+    parts of round 1 alone (a crash before the first commit: nothing released) start afresh."""
+    fresh = _two_rounds_saved(tmp_path)
+    (tmp_path / COMMIT_NAME).unlink()
+    with pytest.raises(ValueError, match=r"checkpoint-000002.pt, noise-000002.pt\) but no checkpoint.json"):
+        resume(fresh, tmp_path)
+    first = tmp_path / "first"
+    state, _ = _round(init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1))
+    save_checkpoint(state, first)
+    (first / COMMIT_NAME).unlink()
+    assert resume(fresh, first) is None and fresh.round == 0
+
+
+def test_stale_temporary_files_are_removed_when_a_run_starts(tmp_path):
+    """Issue 25 item 8: an interrupted atomic write leaves <name>.<random>.tmp (a whole model, a noise state);
+    on main nothing removed them. A resume removes those of the checkpoint's files, and no other file."""
+    fresh = _two_rounds_saved(tmp_path)
+    stale = [tmp_path / "checkpoint-000003.pt.k2j3.tmp", tmp_path / "checkpoint.json.a1b2.tmp",
+             tmp_path / "results.json.zz.tmp", tmp_path / "secret" / "noise-000003.pt.x9y8.tmp"]
+    kept = tmp_path / "notes.tmp"
+    for path in [*stale, kept]:
+        path.write_bytes(b"partial")
+    assert resume(fresh, tmp_path) == {} and fresh.round == 2
+    assert not any(path.exists() for path in stale) and kept.exists()

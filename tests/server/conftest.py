@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from deployment import Deployment, make_certificates
+from deployment import SEED, Deployment, make_certificates
+
+from fed_dp.server.app import SERVER_SEED_VARIABLE
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +18,11 @@ def certificates(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def new_deployment(tmp_path, certificates):
-    """deployment(auth=...) → a TLS Deployment under tmp_path; stopped, and checked for leftovers, afterwards."""
+def new_deployment(tmp_path, certificates, monkeypatch):
+    """deployment(auth=...) → a TLS Deployment under tmp_path; stopped, and checked for leftovers, afterwards.
+    Its SuperLink gets ``FED_DP_SERVER_SEED`` = run.seed (the ServerApp's sampler and noise seed, from the server's
+    environment only), so that the tests can predict the cohorts and compare with the in-process engine."""
+    monkeypatch.setenv(SERVER_SEED_VARIABLE, str(SEED))
     started: list[Deployment] = []
 
     def make(auth: bool = False) -> Deployment:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from fed_dp.accounting import epsilon
+from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients import protocol
 from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
@@ -155,8 +155,10 @@ def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_
     assert [c["cohort_size"] for c in counts] == [r["nonprivate_cohort_size"] for r in engine.records]
     assert all(c["replied_users"] == c["cohort_size"] and not c["dropped"] for c in counts)
     published = {key for record in result.records for key in record}
-    assert not published & {"cohort_size", "replied_users", "unclipped_users", "reclipped_replies", "dropped"}
+    assert not published & {"cohort_size", "replied_users", "unclipped_users", "reclipped_replies", "dropped",
+                            "round_seconds"}  # issue 25 item 3: the duration grows with the cohort
     assert not any(key.startswith("nonprivate") for key in published)
+    assert all(c["round_seconds"] > 0 for c in counts)
     final = strategy.layout.flatten(dict(result.arrays.to_torch_state_dict()))
     torch.testing.assert_close(final, engine.params, rtol=1e-5, atol=1e-6)
     assert torch.equal(load_checkpoint(tmp_path)["state"]["params"], strategy.state.params)
@@ -283,3 +285,32 @@ def test_target_epsilon_is_calibrated_when_the_run_starts():
     result = UserLevelDP(privacy, "dp-fedavg", seed=5).start(honest_grid(), model_arrays(initial_model(TASK, 5)[0]))
     assert result.privacy.noise_multiplier is not None and result.epsilon <= 4.0
     assert result.epsilon == pytest.approx(epsilon(result.privacy, 3))
+
+
+def test_run_seed_reaches_every_client_so_the_server_app_never_seeds_the_sampler_or_the_noise_with_it():
+    """Issue 25 item 5: run.seed is in the run config every ClientApp receives. On main the ServerApp seeded the
+    sampler and the noise with it, so a client could rebuild the server's secret state (every cohort, every noise
+    vector) with init_server(seed=run.seed). Now run.seed seeds the clients' local training only, the noise is
+    secure, and only FED_DP_SERVER_SEED, in the server's own environment, makes a research run reproducible."""
+    from fed_dp.randomness import derive_seed
+    from fed_dp.run_config import RunConfig
+    from fed_dp.server.app import SERVER_SEED_VARIABLE, make_strategy
+
+    run = RunConfig.from_flat({"run.seed": 5, "privacy.rounds": 3, "privacy.accountant": "rdp"})
+    model, _, params = initial_model(TASK, 5)
+
+    def secret_state(environ):
+        strategy = make_strategy(run, TASK.num_users, environ)
+        strategy._initialize(model_arrays(model))
+        return strategy, strategy.state.secret_state_dict()
+
+    privacy = resolve_privacy(run.privacy, TASK.num_users)
+    rebuilt = init_server(privacy, run.optimizer.build(), params, seed=5).secret_state_dict()  # what a client can do
+    strategy, secret = secret_state({})
+    assert strategy.client_seed == derive_seed(5, "local-training")  # local training stays reproducible
+    assert secret["privatizer"]["source"]["kind"] == "secure"
+    assert not torch.equal(secret["sampler"]["generator_state"], rebuilt["sampler"]["generator_state"])
+    _, research = secret_state({SERVER_SEED_VARIABLE: "5"})  # the server's own seed: the engine's research run
+    assert torch.equal(research["sampler"]["generator_state"], rebuilt["sampler"]["generator_state"])
+    with pytest.raises(ValueError, match=SERVER_SEED_VARIABLE):
+        make_strategy(run, TASK.num_users, {SERVER_SEED_VARIABLE: "five"})

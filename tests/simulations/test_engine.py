@@ -82,9 +82,9 @@ def test_runs_are_reproducible_for_a_seed_and_differ_across_seeds():
     a, ra = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(), seed=1)
     b, rb = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(), seed=1)
     c, _ = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(), seed=2)
-    untimed = lambda records: [{k: v for k, v in r.items() if k != "round_seconds"} for r in records]
+    untimed = lambda records: [{k: v for k, v in r.items() if k != "nonprivate_round_seconds"} for r in records]
     assert torch.equal(a.params, b.params) and untimed(ra) == untimed(rb)
-    assert all(r["round_seconds"] > 0 for r in ra)
+    assert all(r["nonprivate_round_seconds"] > 0 for r in ra)
     assert not torch.equal(a.params, c.params)
 
 
@@ -128,7 +128,7 @@ def test_vectorized_engine_run_matches_the_sequential_one():
                                 seed=4, training="sequential")
     vectorized, records_v = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
                                 seed=4, training="vectorized")
-    assert {r["vectorized"] for r in records_s} == {0.0} and {r["vectorized"] for r in records_v} == {1.0}
+    assert {r["nonprivate_vectorized"] for r in records_s} == {0.0} and {r["nonprivate_vectorized"] for r in records_v} == {1.0}
     torch.testing.assert_close(vectorized.params, sequential.params, rtol=1e-4, atol=1e-5)
     assert [r["epsilon"] for r in records_v] == [r["epsilon"] for r in records_s]
 
@@ -222,3 +222,24 @@ def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_che
     resumed = train(task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))
     assert [r["round"] for r in resumed.records] == [0, 1, 2, 3]
     assert resumed.epsilon == pytest.approx(epsilon(_privacy(rounds=4), 4))
+
+
+def test_an_in_process_run_publishes_no_count_or_duration_and_keeps_them_secret(tmp_path):
+    """Issue 25 items 3 and 4: on main results.json and checkpoint-<round>.pt of an in-process run held the exact
+    counts (nonprivate_cohort_size, ...) and every record round_seconds, a timing channel on the cohort size. Now
+    the published files hold neither; secret/diagnostics.jsonl and the secret part keep them, and the records
+    returned (and restored by a resume) still hold them for the researcher."""
+    import json
+
+    from fed_dp.checkpoint import load_checkpoint, read_diagnostics
+
+    task, privacy = _task(), _privacy()
+    result = train(task, privacy, "dp-adam", LocalTraining(), seed=1, eval_every=0, checkpoint_dir=str(tmp_path))
+    for published in (json.loads((tmp_path / "results.json").read_text()), load_checkpoint(tmp_path)["extra"]["records"]):
+        assert [r["round"] for r in published] == list(range(privacy.rounds))
+        assert not {key for r in published for key in r if key.startswith("nonprivate_") or "seconds" in key}
+    diagnostics = read_diagnostics(tmp_path)
+    assert [d["cohort_size"] for d in diagnostics] == [r["nonprivate_cohort_size"] for r in result.records]
+    assert all(d["round_seconds"] == r["nonprivate_round_seconds"] for d, r in zip(diagnostics, result.records))
+    assert train(task, privacy, "dp-adam", LocalTraining(), seed=1, eval_every=0,
+                 checkpoint_dir=str(tmp_path)).records == result.records  # resumed: the secret part restores them

@@ -223,3 +223,34 @@ def test_config_option_is_the_positional_config(capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--config", "no-such-config"])
     assert "built-in configs" in capsys.readouterr().err
+
+
+def test_an_unseeded_run_publishes_no_seed_that_reproduces_its_noise_or_cohorts(tmp_path):
+    """Issue 25 item 2: without run.seed, config.json holds only the seed of the model's initialization and local
+    training; re-running with it as run.seed draws other cohorts and other noise (on main it reproduced both:
+    the sampler and noise seeds were derived from the written seed). A seeded run writes the seed it was given."""
+    single = ['run.optimizers=["dp-sgd"]', "run.eval-every=0", "run.seed=-1"]  # -1: unset
+    run_experiment(_tiny(single), tmp_path / "a", progress=False, log=lambda *_: None)
+    written = json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]
+    assert "written nowhere" in written["seed_note"]
+    run_experiment(_tiny([*single, f"run.seed={written['seed']}"]), tmp_path / "b", progress=False,
+                   log=lambda *_: None)
+    first, again = (read_results(tmp_path / run)["dp-sgd"] for run in ("a", "b"))
+    assert all(x["update_norm"] != y["update_norm"] for x, y in zip(first, again))
+    seeded = json.loads((tmp_path / "b" / "config.json").read_text())["resolved"]
+    assert seeded["seed"] == written["seed"] and "sampler and noise are reproducible" in seeded["seed_note"]
+
+
+def test_every_server_key_acts_in_fed_dp_simulate_or_is_refused(tmp_path):
+    """Issue 25 item 6: on main fed-dp simulate accepted server.checkpoint-dir and wrote nothing. Now each optimizer
+    checkpoints to (and resumes from) checkpoint-dir/<optimizer>; the keys only a Flower run acts on are refused
+    with the reason."""
+    folder = tmp_path / "ckpt"
+    run_experiment(_tiny([f'server.checkpoint-dir="{folder}"']), tmp_path / "out", progress=False,
+                   log=lambda *_: None)
+    for name in ("dp-sgd", "dp-adambc"):
+        assert json.loads((folder / name / "checkpoint.json").read_text())["round"] == 3
+        assert [r["round"] for r in json.loads((folder / name / "results.json").read_text())] == [0, 1, 2]
+    for key in ("server.min-nodes=2", "server.reply-timeout=5.0", "server.node-wait=1.0"):
+        with pytest.raises(ValueError, match=rf"{key.split('=')[0]} has no effect in fed-dp simulate: .*SuperNodes"):
+            parse_experiment(_tiny([key]))
