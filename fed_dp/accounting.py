@@ -16,11 +16,13 @@ Per-round ε (:func:`epsilon_schedule`) costs O(T), not T accountant runs:
   same calls and discretization as its ``PLDAccountant`` (so the same numbers). A round in between reports
   the ε of the next exact round: an upper bound, because the release after t rounds is a post-processing
   of the release after t′ > t rounds, so the true ε is nondecreasing in t, and PLD's (pessimistic) ε at t′
-  bounds the true ε at t′. The ledger and its budget check use these values.
+  bounds the true ε at t′. The ledger uses these values; its budget check replaces such a bound
+  by the round's exact ε when the bound alone would refuse the round (``PrivacyLedger.check_next_round``).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import math
@@ -505,6 +507,12 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
     return config
 
 
+def _is_exact_round(schedule: EpsilonSchedule, rounds: int) -> bool:
+    """Whether the schedule's value after ``rounds`` rounds is dp_accounting's exact ε (its exact rounds are sorted)."""
+    index = bisect.bisect_left(schedule.exact_rounds, rounds)
+    return index < len(schedule.exact_rounds) and schedule.exact_rounds[index] == rounds
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """One released round: its index (0-based) and ε after it (no cohort size: it is computed from the
@@ -521,8 +529,10 @@ class PrivacyLedger:
     ``dp_event(config, t)``, the event of the sampler that actually ran (with PLD, between the schedule's
     exact rounds, the next exact round's ε: an upper bound). ``check_next_round`` raises
     :class:`BudgetExceededError` if running one more round would take ε above ``config.epsilon_budget``,
-    before anything is released; with PLD it compares the conservative value. Dropped users do not
-    change the ledger: the round releases with the same noise and counts in full.
+    before anything is released. With PLD, when the schedule's upper bound of a round between exact rounds
+    is over the budget, the round's exact ε (one fresh accountant, :func:`epsilon`) decides and is recorded,
+    so a round within budget is never refused for the bound's slack. Dropped users do not change the ledger:
+    the round releases with the same noise and counts in full.
     """
 
     def __init__(self, config: PrivacyConfig, records: tuple[RoundRecord, ...] = ()) -> None:
@@ -551,9 +561,17 @@ class PrivacyLedger:
         return epsilon_schedule(self.config).at(self.rounds + 1)
 
     def check_next_round(self) -> float:
-        """ε after one more round; raises BudgetExceededError when it would exceed the budget."""
+        """ε after one more round; raises BudgetExceededError when it would exceed the budget.
+
+        Between a PLD schedule's exact rounds the schedule holds the next exact round's ε, an upper bound (up
+        to about 12% above the exact value). Only when that bound is over the budget is the round's exact ε
+        computed (dp_accounting's PLD of ``dp_event(config, t)``, memoized) and used instead: the decision is
+        then on the exact ε, and the value returned (and recorded) is that exact ε."""
         next_epsilon = self.epsilon_if_next_round()
         budget = self.config.epsilon_budget
+        t = self.rounds + 1
+        if budget is not None and next_epsilon > budget and not _is_exact_round(epsilon_schedule(self.config), t):
+            next_epsilon = epsilon(self.config, t)
         if budget is not None and next_epsilon > budget:
             raise BudgetExceededError(
                 f"round {self.rounds + 1} would raise user-level ε from {self.epsilon:.4g} to "
