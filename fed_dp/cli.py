@@ -14,10 +14,11 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from fed_dp.accounting import calibrate_noise_multiplier, epsilon, epsilon_schedule
+from fed_dp.accounting import calibrate_noise_multiplier, checked_epsilon, compute_epsilon_schedule, epsilon
 from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
 from fed_dp.sampling import dp_event, guarantee, neighboring_relation
@@ -135,10 +136,43 @@ def _schedule_note(exact_rounds: Sequence[int], rounds: int) -> str:
             "(an upper bound)")
 
 
+#: Long accounting prints a line on stderr at most this often (seconds), the first one after this long.
+PROGRESS_SECONDS = 10.0
+#: From this many rounds on, ``fed-dp epsilon`` says on stderr at the start that the accounting can take minutes.
+LONG_ROUNDS = 100_000
+
+
+class _Progress:
+    """``progress(t, T)`` for ``compute_epsilon_schedule``: a plain line on stderr (readable in a log file or a
+    pipe, no carriage returns) at most every PROGRESS_SECONDS. RDP costs the same per round, so its line has the
+    share done and a linear estimate of the time left; PLD computes its exact rounds (about 10 + 4.5·log10(T/10)
+    of them), each costlier than the one before, so its line has the round reached and the time so far."""
+
+    def __init__(self, accountant: str) -> None:
+        self.accountant = accountant
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS or done <= 0:
+            return
+        self.last = now
+        elapsed = now - self.start
+        if self.accountant == "rdp":
+            state = f"({done / total:.0%}), {elapsed:.0f} s so far, about {elapsed * (total - done) / done:.0f} s left"
+        else:
+            state = f"(the exact rounds get costlier as they grow), {elapsed:.0f} s so far"
+        print(f"fed-dp epsilon: {self.accountant} accounted {done:,} of {total:,} rounds {state}",
+              file=sys.stderr, flush=True)
+
+
 def _run_epsilon(args: argparse.Namespace) -> None:
     config = _config(args, args.noise_multiplier)
+    if config.rounds >= LONG_ROUNDS:
+        print(f"fed-dp epsilon: accounting {config.rounds:,} rounds with {config.accountant} can take minutes"
+              + (" (progress on stderr)" if args.per_round else ""), file=sys.stderr, flush=True)
     if args.per_round:
-        schedule = epsilon_schedule(config)
+        schedule = compute_epsilon_schedule(config, progress=_Progress(config.accountant))
         if args.json:
             print(json.dumps({"epsilon": list(schedule.epsilons), "exact_rounds": list(schedule.exact_rounds),
                               "delta": config.delta, **_summary(config)}))
@@ -150,7 +184,7 @@ def _run_epsilon(args: argparse.Namespace) -> None:
         for t, eps in enumerate(schedule.epsilons, start=1):
             print(f"{t:>8}  {eps:.4f}{'' if t in exact else '  (upper bound)'}")
         return
-    eps = epsilon(config)
+    eps = checked_epsilon(config)
     if args.json:
         print(json.dumps({"epsilon": eps, "delta": config.delta, **_summary(config)}))
         return

@@ -1,28 +1,37 @@
-"""``fed-dp audit``: a one-run empirical privacy estimate of a run configuration, with canary users.
+"""``fed-dp audit``: a one-run empirical privacy check of a run configuration, with canary users.
 
     fed-dp audit [CONFIG] [--task MODULE:FUNCTION] [--set table.key=value ...] [--canaries 1000] [--json]
+                 [--with-training] [--noise-scale S]
 
-It trains the config's task once in this process, as ``fed-dp simulate`` does, with m canary candidates
-(ALGORITHMS §7; Andrew et al. 2024): each is a random unit direction c_i of the model's d parameters, inserted
-with probability ½ as an extra user of the population whose clipped update is always ζ_t·c_i whenever the
-sampler picks it (held-out candidates are never inserted). The run is accounted as it ran: its population is
-N real users plus the inserted canaries. Two threat models score every candidate:
+It runs the config's mechanism once in this process, as ``fed-dp simulate`` does, with m canary candidates
+(ALGORITHMS §7; Andrew et al. 2024): m orthonormal random directions c_i of the model's d parameters, each
+inserted with probability ½ as an extra user of the population whose clipped update is always ζ_t·c_i whenever
+the sampler picks it (held-out candidates are never inserted). The run is accounted as it ran: its population
+is N real users plus the inserted canaries. Three scores per candidate:
 
 * ``final-model``: the adversary sees θ_T only; the score of c_i is its coefficient when θ_T − θ_0 is regressed
-  on all m candidate directions (least squares: the cross-talk of the other canaries is removed, which the
-  plain cosine of Andrew et al. 2024 cannot do when m is not far below d; this needs d ≥ 2m);
+  on all m candidate directions (least squares; this needs d ≥ 2m);
 * ``all-iterates``: the adversary sees every model: score Σ_t coefficient_t(c_i) / ‖θ_t − θ_{t−1}‖, the same
-  regression on each round's change, scaled per round.
+  regression on each round's change, scaled per round;
+* the noisy sums ỹ_t themselves (what the accountant's Gaussian mechanism releases; every model is their
+  post-processing): u_i = Σ_t coefficient(c_i in ỹ_t)/ζ, the statistic of the hypothesis test.
 
-Any score that does not look at which candidates were inserted keeps the lower bound valid; the Gaussian fit
-assumes the scores of each group are roughly Gaussian, which these linear scores are.
+For each threat model it reports the accounted ε, the Gaussian-fit ε estimate, the one-run lower bound at the
+stated confidence, that bound's cap for m and δ and a verdict ("inconclusive" when the accounted ε is at or
+above the cap). The hypothesis test (``fed_dp.audit.mechanism_test``) compares u's separation μ̂ with its exact
+law under the accounted σ, q and T and gives a p-value and a verdict at the stated confidence.
 
-and each reports the accounted ε, the Gaussian-fit ε estimate and the one-run lower bound at the stated
-confidence (``fed_dp.audit``). ``privacy.noise-multiplier = 0`` is accepted here only: the run adds no noise and
-its accounted ε is infinite. ``--mechanism-only``: the real users send zero updates, so the canaries are measured
-against the mechanism alone (sampling, clipping, noise, server optimizer), without the drift of the training,
-which on a small model hides them. ``noise_scale`` (Python only, for the audit's own tests) scales the noise
-actually added while the accounting keeps the configured σ: a deliberately broken mechanism, never for training.
+Mode. By default the real users are sampled and counted but send zero updates (mechanism only): the scores see
+the mechanism (sampling, clipping, noise, server optimizer) and nothing else, which is the setting of the
+privacy proof and the one whose law the test knows exactly. ``--with-training`` trains the real users too; on
+the shipped configs the training's own drift then hides the canaries (the main job without any noise: lower
+bound 0, held-out spread many times the accounted noise; README), and the test is not run, since the real
+users' updates enter the noisy sums with an unknown law.
+
+``privacy.noise-multiplier = 0`` is accepted here only: the run adds no noise and its accounted ε is
+infinite. ``noise_scale`` (``--noise-scale``, a self-test) adds that multiple of the configured noise while the
+accounting keeps the configured σ: a deliberately broken mechanism that the audit must flag (0.25: four times
+too little noise), never for training.
 """
 
 from __future__ import annotations
@@ -36,14 +45,17 @@ from typing import Any
 import torch
 
 from fed_dp.accounting import resolve_privacy
-from fed_dp.audit import gaussian_fit_epsilon, one_run_lower_bound
+from fed_dp.audit import (gaussian_fit_epsilon, lower_bound_cap, lower_bound_verdict, mechanism_test,
+                          one_run_lower_bound)
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.clients.task import Task, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.noise import Privatizer
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
+from fed_dp.moment_estimation import noise_stds
 from fed_dp.randomness import derive_seed
+from fed_dp.sampling import neighboring_relation
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import init_server
 from fed_dp.server.round_loop import RoundReplies, run_rounds
@@ -51,16 +63,25 @@ from fed_dp.server.round_loop import RoundReplies, run_rounds
 THREAT_MODELS = ("final-model", "all-iterates")
 
 
-class ScaledNoise:
-    """A privatizer whose noise is ``scale`` times the configured one (a deliberately weak mechanism for testing
-    the audit's power: the accounting still assumes the full noise). Same interface as ``Privatizer``."""
+class AuditPrivatizer:
+    """The run's privatizer, seen by the audit: it adds ``scale`` times the configured noise (1: the real
+    mechanism; below 1, a deliberately weak mechanism for the audit's self-test, while the accounting still
+    assumes the full noise) and adds to ``sums`` the candidates' coefficients P·ỹ_t/ζ in every noisy sum ỹ_t it
+    releases (its first d entries: the sum of the updates, also under moment estimation). Same interface as
+    ``Privatizer``."""
 
-    def __init__(self, inner: Privatizer, scale: float) -> None:
+    def __init__(self, inner: Privatizer, scale: float, projector: torch.Tensor, clip_norm: float) -> None:
         self.inner, self.scale = inner, float(scale)
+        self.projector, self.clip_norm = projector, float(clip_norm)
+        self.sums = torch.zeros(projector.shape[0], dtype=torch.float64)
 
     def privatize(self, total: torch.Tensor, noise_std: float | None = None) -> torch.Tensor:
         total = total.to(self.inner.device, self.inner.dtype)
-        return total + self.scale * (self.inner.privatize(total, noise_std) - total)
+        noisy = self.inner.privatize(total, noise_std)
+        if self.scale != 1.0:
+            noisy = total + self.scale * (noisy - total)
+        self.sums.add_(self.projector @ noisy[: self.projector.shape[1]].double().cpu() / self.clip_norm)
+        return noisy
 
     def noise_variance(self, t: int | None = None) -> float:
         return self.scale**2 * self.inner.noise_variance(t)
@@ -72,9 +93,22 @@ class ScaledNoise:
         self.inner.load_state_dict(state)
 
 
+#: Samplers under which each user is in a round's cohort with probability q independently of the other rounds
+#: (the law ``fed_dp.audit.mechanism_test`` assumes; conservative for without-replacement).
+TESTED_SAMPLERS = ("poisson", "without-replacement", "all")
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no infinity: an infinite or NaN float becomes null (nested dicts too)."""
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 @dataclass
 class AuditResult:
-    """The audit of one run: accounted ε and, per threat model, the estimate, the lower bound and the scores."""
+    """The audit of one run: accounted ε, per threat model the estimate, the lower bound, its cap and verdict,
+    the hypothesis test of the mechanism, and the scores."""
 
     canaries: int
     inserted: int
@@ -82,21 +116,32 @@ class AuditResult:
     epsilon_accounted: float
     confidence: float
     privacy: PrivacyConfig
-    results: dict[str, dict[str, float]] = field(default_factory=dict)
+    mode: str = "mechanism-only"
+    noise_scale: float = 1.0
+    lower_bound_cap: float = 0.0
+    mechanism_test: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
     inserted_mask: torch.Tensor | None = None
 
     def rows(self) -> list[dict[str, Any]]:
-        """One JSON-ready object per threat model."""
-        return [{"threat_model": name, "epsilon_accounted": self.epsilon_accounted, "delta": self.delta,
-                 "canaries": self.canaries, "inserted": self.inserted, "confidence": self.confidence, **values}
-                for name, values in self.results.items()]
+        """One JSON-ready object per threat model (infinite values, e.g. the accounted ε without noise, are null,
+        so that strict JSON encoders accept them)."""
+        return [_finite_or_none({
+            "threat_model": name, "mode": self.mode, "epsilon_accounted": self.epsilon_accounted,
+            "delta": self.delta, "canaries": self.canaries, "inserted": self.inserted,
+            "confidence": self.confidence, "noise_scale": self.noise_scale,
+            "lower_bound_cap": self.lower_bound_cap, **values, "mechanism_test": self.mechanism_test,
+        }) for name, values in self.results.items()]
 
 
 def _canary_directions(count: int, dim: int, seed: int) -> torch.Tensor:
-    """``count`` independent uniformly random unit vectors of R^d (normalized Gaussians)."""
-    directions = torch.randn(count, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return (directions / directions.norm(dim=1, keepdim=True)).float()
+    """``count`` orthonormal directions of R^d, uniformly random (Q of the QR decomposition of a d × count
+    Gaussian matrix): a canary's update then has no component on any other candidate, and the noise's
+    coefficients on them are independent (what ``fed_dp.audit.mechanism_test`` relies on)."""
+    gaussian = torch.randn(dim, count, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    return (q * torch.sign(torch.diagonal(r))).T.contiguous().float()  # signs fixed: the uniform (Haar) law
 
 
 def _projector(directions: torch.Tensor) -> torch.Tensor:
@@ -105,16 +150,42 @@ def _projector(directions: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(c @ c.T, c)
 
 
+def _untested_reason(privacy: PrivacyConfig, *, mechanism_only: bool, no_noise: bool) -> str | None:
+    """Why the hypothesis test's law does not hold for this audit (None: it does)."""
+    if no_noise:
+        return "no noise is accounted (epsilon is infinite): nothing to test against"
+    if not mechanism_only:
+        return ("the real users' updates (the training's drift) enter the noisy sums with an unknown law; "
+                "audit without --with-training to test the mechanism")
+    if privacy.noise != "independent":
+        return f"the test's law is derived for independent noise, not {privacy.noise}; the lower bound only"
+    if privacy.sampler not in TESTED_SAMPLERS:
+        return (f"the test's law assumes every user sampled with probability q in every round, which the "
+                f"{privacy.sampler} sampler does not do; the lower bound only")
+    return None
+
+
+def _accounted_noise_multiplier(privacy: PrivacyConfig, optimizer: ServerOptimizer, dim: int) -> float:
+    """The accounted noise std on the sum of updates over ζ: σ, or σ·Δ/Δ₁ for the joint query of independent
+    moment estimation (``fed_dp.moment_estimation.noise_stds``), computed from the config, not the privatizer."""
+    if not optimizer.needs.squares:
+        return privacy.noise_multiplier
+    first, _ = noise_stds(privacy.noise_multiplier, privacy.clip_norm, optimizer.ime_alpha,
+                          neighboring_relation(privacy), dim)
+    return first / privacy.clip_norm
+
+
 def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, local: LocalTraining, *,
               canaries: int = 1000, seed: int = 0, confidence: float = 0.95, noise_scale: float = 1.0,
               no_noise: bool = False, mechanism_only: bool = False) -> AuditResult:
-    """Train ``task`` once with ``canaries`` candidates and audit it (module docstring). ``no_noise``: add no
-    noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs one.
-    ``mechanism_only``: the real users are sampled and counted but send zero updates, so the scores see the
-    mechanism (sampling, clipping, noise, server optimizer) without the training's own drift, which on a small
-    model hides the canaries; the accounting is the same."""
+    """Run ``task``'s mechanism once with ``canaries`` candidates and audit it (module docstring). ``no_noise``:
+    add no noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs
+    one. ``mechanism_only``: the real users are sampled and counted but send zero updates (``fed-dp audit``'s
+    default). ``noise_scale``: add that multiple of the configured noise (the self-test of a broken mechanism)."""
     if not (isinstance(canaries, int) and canaries >= 4):
         raise ValueError(f"canaries must be an integer >= 4, got {canaries!r}")
+    if not (isinstance(noise_scale, (int, float)) and math.isfinite(noise_scale) and noise_scale >= 0):
+        raise ValueError(f"noise_scale must be a finite number >= 0 (1: the real mechanism), got {noise_scale!r}")
     if no_noise:
         noise_scale = 0.0
     with simulation():
@@ -132,8 +203,8 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
         projector = _projector(directions)
         trainer = LocalTrainer(task, local, device="cpu")
         state = init_server(privacy, optimizer, params, seed=seed)
-        if noise_scale != 1.0:
-            state.privatizer = ScaledNoise(state.privatizer, noise_scale)
+        audited = AuditPrivatizer(state.privatizer, noise_scale, projector, privacy.clip_norm)
+        state.privatizer = audited
         client_seed = derive_seed(seed, "local-training")
 
         def exchange(plan: RoundPlan) -> RoundReplies:
@@ -172,17 +243,31 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
     scores = {"final-model": projector @ (final - params).double(), "all-iterates": per_round}
     accounted = math.inf if no_noise else float(loop.records[-1]["epsilon"])
     result = AuditResult(canaries=canaries, inserted=len(inserted_ids), delta=privacy.delta,
-                         epsilon_accounted=accounted, confidence=confidence, privacy=privacy, scores=scores,
-                         inserted_mask=inserted)
+                         epsilon_accounted=accounted, confidence=confidence, privacy=privacy,
+                         mode="mechanism-only" if mechanism_only else "with training", noise_scale=noise_scale,
+                         lower_bound_cap=lower_bound_cap(canaries, privacy.delta, confidence=confidence),
+                         scores=scores, inserted_mask=inserted)
     for name in THREAT_MODELS:
         estimate, mu = gaussian_fit_epsilon(scores[name][inserted], scores[name][~inserted], privacy.delta)
         bound = one_run_lower_bound(scores[name], inserted, privacy.delta, confidence=confidence)
-        result.results[name] = {"epsilon_estimate": estimate, "mu": mu, **bound}
+        verdict = lower_bound_verdict(bound["epsilon_lower_bound"], result.lower_bound_cap, accounted, confidence)
+        result.results[name] = {"epsilon_estimate": estimate, "mu": mu, **bound, "lower_bound_verdict": verdict}
+    reason = _untested_reason(privacy, mechanism_only=mechanism_only, no_noise=no_noise)
+    sigma = _accounted_noise_multiplier(privacy, optimizer, layout.size)
+    if reason is None:
+        result.mechanism_test = mechanism_test(audited.sums, inserted, noise_multiplier=sigma,
+                                               rounds=len(loop.records), sampling_rate=privacy.sampling_rate,
+                                               confidence=confidence)
+    else:
+        result.mechanism_test = {"verdict": "not tested", "reason": reason}
+        if not no_noise:  # what the training's drift adds to the noise, in units of the accounted noise
+            spread = float(audited.sums[~inserted].std()) / (sigma * math.sqrt(len(loop.records)))
+            result.mechanism_test["held_out_spread"] = spread
     return result
 
 
 def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, optimizer: str | None = None,
-                 task: Task | None = None, mechanism_only: bool = False) -> AuditResult:
+                 task: Task | None = None, mechanism_only: bool = True, noise_scale: float = 1.0) -> AuditResult:
     """Audit a ``fed-dp simulate`` config (tables as read from TOML, ``--set`` applied): its task, privacy,
     local training and seed; its optimizer (``optimizer``, else the config's, else the first of
     ``run.optimizers``). ``privacy.noise-multiplier = 0`` audits the run without noise."""
@@ -204,26 +289,47 @@ def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, op
     task = task if task is not None else build_task(run.task)
     seed = run.run.seed if run.run.seed is not None else 0
     return run_audit(task, run.privacy, run.optimizer.build(), run.local, canaries=canaries, seed=seed,
-                     confidence=confidence, no_noise=no_noise, mechanism_only=mechanism_only)
+                     confidence=confidence, no_noise=no_noise, mechanism_only=mechanism_only, noise_scale=noise_scale)
+
+
+def _format_test(test: dict[str, Any]) -> str:
+    if test["verdict"] == "not tested":
+        spread = (f"; held-out spread {test['held_out_spread']:.3f} of the accounted noise"
+                  if "held_out_spread" in test else "")
+        return f"mechanism test: not tested ({test['reason']}){spread}"
+    return (f"mechanism test (one-sided, {test['confidence']:.0%}): the canaries' separation on the noisy sums is "
+            f"mu = {test['mu']:.3f}, {test['mu_expected']:.3f} expected under the accounted sigma; held-out spread "
+            f"{test['held_out_spread']:.3f} of the accounted noise; p = {test['p_value']:.3g}: {test['verdict']}")
 
 
 def format_audit(result: AuditResult) -> str:
-    """The audit as a table, one row per threat model."""
+    """The audit as a table, one row per threat model, then the hypothesis test of the mechanism."""
     privacy = result.privacy
+    mode = ("mechanism only (the real users send zero updates)" if result.mode == "mechanism-only"
+            else "with training (the real users train)")
     lines = [
-        f"canaries: {result.canaries} candidates, {result.inserted} inserted (each with probability 1/2)",
+        f"canaries: {result.canaries} candidates, {result.inserted} inserted (each with probability 1/2); {mode}",
         f"population: N = {privacy.num_users - result.inserted} users + {result.inserted} canaries, "
         f"B = {privacy.expected_cohort}, T = {privacy.rounds}, "
         + ("no noise" if math.isinf(result.epsilon_accounted) else f"sigma = {privacy.noise_multiplier:.4f}")
         + f", delta = {result.delta:g}",
+    ]
+    if result.noise_scale != 1.0 and not math.isinf(result.epsilon_accounted):
+        lines.append(f"SELF-TEST: the mechanism adds {result.noise_scale:g} x the accounted noise (--noise-scale); "
+                     "the audit should flag it")
+    level = f"{result.confidence:.0%}"
+    lines += [
+        f"lower bound cap: {result.lower_bound_cap:.4f} (the most {result.canaries} canaries can certify at "
+        f"delta = {result.delta:g}, {level}); at an accounted epsilon at or above it the bound is inconclusive",
         "",
         f"{'threat model':<13} {'accounted eps':>13} {'eps estimate':>12} {'mu':>6} "
-        f"{f'lower bound ({result.confidence:.0%})':>18} {'correct guesses':>16}",
+        f"{f'lower bound ({level})':>17} {'correct guesses':>16}  lower bound verdict",
     ]
     for name, values in result.results.items():
         lines.append(f"{name:<13} {result.epsilon_accounted:>13.4f} {values['epsilon_estimate']:>12.4f} "
-                     f"{values['mu']:>6.3f} {values['epsilon_lower_bound']:>18.4f} "
-                     f"{values['correct']:>8}/{values['guesses']:<7}")
+                     f"{values['mu']:>6.3f} {values['epsilon_lower_bound']:>17.4f} "
+                     f"{values['correct']:>8}/{values['guesses']:<7}  {values['lower_bound_verdict']}")
+    lines += ["", _format_test(result.mechanism_test)]
     return "\n".join(lines)
 
 

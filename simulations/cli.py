@@ -3,7 +3,7 @@
     fed-dp simulate [CONFIG | --config CONFIG] [--task MODULE:FACTORY] [--set table.key=value ...] [--out DIR] [--no-plot]
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
-    fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR]
+    fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR] [--with-training]
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
 
 Under ``torchrun`` (``torchrun --nproc_per_node 2 $(which fed-dp) simulate ...``) ``simulate`` and ``compare``
@@ -94,20 +94,23 @@ def _run_audit(args: argparse.Namespace) -> None:
 
     from fed_dp.simulations.audit import audit_config, format_audit, plot_audit
 
+    if args.with_training and args.mechanism_only:
+        raise ValueError("--with-training and --mechanism-only exclude each other; give one (the default: mechanism only)")
     result = audit_config(_simulation_config(args), canaries=args.canaries, confidence=args.confidence,
-                          optimizer=args.optimizer, mechanism_only=args.mechanism_only)
+                          optimizer=args.optimizer, mechanism_only=not args.with_training,
+                          noise_scale=args.noise_scale)
     rows = [row for row in result.rows() if args.threat_model in ("both", row["threat_model"])]
     result.results = {row["threat_model"]: result.results[row["threat_model"]] for row in rows}
     result.scores = {name: result.scores[name] for name in result.results}
     if args.json:
         for row in rows:
-            print(json.dumps(row))
+            print(json.dumps(row, allow_nan=False))
     else:
         print(format_audit(result))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "audit.json").write_text(json.dumps(rows, indent=2))
+        (out / "audit.json").write_text(json.dumps(rows, indent=2, allow_nan=False))
         figure = None if args.no_plot else plot_audit(result, out / "audit.png")
         if not args.json:
             print(f"\nresults: {out / 'audit.json'}" + (f", figure: {figure}" if figure else ""))
@@ -168,19 +171,31 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", metavar="DIR", help="where to write the figures (default: the first folder)")
     plot.set_defaults(run=_run_plot)
     audit = commands.add_parser(
-        "audit", help="empirical privacy of a config: one run with canary users, epsilon estimate and lower bound",
-        description="Train the config once with canary users (random unit updates, each inserted with probability "
-        "1/2) and report, for the final-model and all-iterates threat models, the accounted epsilon, an "
-        "epsilon estimate (Gaussian fit) and a lower bound at --confidence (Steinke, Nasr & Jagielski 2023).",
+        "audit", help="empirical privacy of a config: one run with canary users, a test of the mechanism against "
+        "its accounting, an epsilon estimate and a lower bound",
+        description="Run the config's mechanism once with canary users (orthonormal random updates, each inserted "
+        "with probability 1/2; the real users send zero updates unless --with-training) and report, for the "
+        "final-model and all-iterates threat models, the accounted epsilon, an epsilon estimate (Gaussian fit), a "
+        "lower bound at --confidence (Steinke, Nasr & Jagielski 2023) with its cap and verdict, and a one-sided "
+        "test of the canaries' separation on the noisy sums against its law under the accounted noise "
+        "(p-value, verdict).",
     )
     _add_run_arguments(audit)
     audit.add_argument("--canaries", type=int, default=1000, metavar="M",
                        help="canary candidates (default 1000; the model needs at least 2M parameters)")
     audit.add_argument("--optimizer", metavar="NAME", help="the optimizer to audit (default: the config's first)")
-    audit.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")
+    audit.add_argument("--confidence", type=float, default=0.95,
+                       help="confidence of the lower bound and of the mechanism test (default 0.95)")
     audit.add_argument("--threat-model", choices=("final-model", "all-iterates", "both"), default="both")
+    audit.add_argument("--with-training", action="store_true",
+                       help="the real users train too (lower bound and estimate only: the training's drift hides "
+                       "the canaries on the shipped configs, and the test's law does not hold)")
     audit.add_argument("--mechanism-only", action="store_true",
-                       help="real users send zero updates: measure the mechanism without the training's drift")
+                       help="real users send zero updates: the mechanism without the training's drift (the default)")
+    audit.add_argument("--noise-scale", type=float, default=1.0, metavar="S",
+                       help="SELF-TEST: add S times the accounted noise while accounting for the full noise, a "
+                       "deliberately broken mechanism that the audit must flag (0.25: four times too little "
+                       "noise); never for training (default 1)")
     audit.add_argument("--json", action="store_true", help="one JSON object per threat model, one per line")
     audit.set_defaults(run=_run_audit)
     submit = commands.add_parser(

@@ -17,6 +17,7 @@ import pytest
 from dp_accounting import pld, rdp
 
 from fed_dp.cli import main
+from fed_dp.config import PrivacyConfig
 
 DELTA = 1e-5
 
@@ -145,6 +146,57 @@ def test_epsilon_per_round_text_lists_every_round(capsys):
     assert [int(r[0]) for r in rows] == list(range(1, 13))
     assert [r[2:] for r in rows if len(r) > 2] == [["(upper", "bound)"]]  # round 11 only
     assert f"{direct_epsilon(poisson_event(0.01, 1.5, 12), 'pld'):.4f}" in lines[0]
+
+
+def test_a_pld_too_large_for_memory_is_refused_before_it_is_computed(capsys):
+    """Issue 25 item 10: the main job's mechanism over 10 million rounds composes a PLD of 74.6 million points
+    (7.2 GB and about 20 minutes when run); the command refuses it from dp_accounting's own truncation bounds,
+    without composing, saying how large it is and what to do. The same check guards the plain ε."""
+    argv = ["epsilon", "--num-users", "14336", "--expected-cohort", "1024", "--rounds", "10000000",
+            "--noise-multiplier", "1.424", "--delta", "1e-5"]
+    for extra in ([], ["--per-round"]):
+        with pytest.raises(SystemExit) as refused:
+            main(argv + extra)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert "can take minutes" in err.splitlines()[0]
+        assert "74,588,216 points" in err and "6.9 GB" in err and "--accountant rdp" in err and "fewer rounds" in err
+
+
+def test_pld_composition_points_is_the_size_dp_accounting_composes():
+    """The memory check reads dp_accounting's truncation bounds: the composed PMF has exactly that many points."""
+    from fed_dp.accounting import _sampled_gaussian_pld, pld_composition_points
+
+    unit = dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.1))
+    config = PrivacyConfig(
+        num_users=10000, expected_cohort=100, rounds=3000, noise_multiplier=1.1, delta=DELTA)
+    base = _sampled_gaussian_pld(config, unit)
+    composed = base.self_compose(3000)
+    sizes = [len(pmf.to_dense_pmf()._probs) for pmf in (composed._pmf_remove, composed._pmf_add)]
+    assert pld_composition_points(base, 3000) == max(sizes)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_long_accounting_reports_progress_on_stderr(capsys, monkeypatch, accountant):
+    """Progress lines go to stderr, one per line (no carriage returns: readable in a pipe or a log), with the
+    rounds done of all; stdout is the same as without them. PROGRESS_SECONDS = 0 prints every step."""
+    import fed_dp.cli as cli
+
+    argv = ["epsilon", "--num-users", "1000", "--expected-cohort", "10", "--rounds", "14", "--noise-multiplier",
+            "1.5", "--delta", "1e-5", "--accountant", accountant, "--per-round", "--json"]
+    assert main(argv) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(cli, "LONG_ROUNDS", 10)
+    assert main(argv) == 0
+    loud = capsys.readouterr()
+    assert loud.out == quiet.out
+    lines = loud.err.splitlines()
+    assert "\r" not in loud.err and "14 rounds with " + accountant + " can take minutes" in lines[0]
+    assert lines[-1].startswith(f"fed-dp epsilon: {accountant} accounted 14 of 14 rounds (")
+    assert ("(100%)" in lines[-1]) == (accountant == "rdp")  # PLD's exact rounds grow costlier: no linear estimate
+    assert len(lines) == (2 if accountant == "rdp" else 1 + 12)  # RDP: the last round; PLD: each exact round
 
 
 @pytest.mark.parametrize("extra, event_of", [

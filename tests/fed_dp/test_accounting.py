@@ -551,17 +551,31 @@ def test_pld_exact_rounds_are_dense_then_geometric_and_end_at_T():
         pld_exact_rounds(0)
 
 
-def test_pld_budget_check_uses_the_conservative_value_between_exact_rounds():
-    cfg = _ledger_config(accountant="pld", rounds=12)  # exact rounds 1..10, 12; round 11 reports ε(12)
-    e11 = direct_epsilon(poisson_event(0.01, 1.5, 11), "pld", 1e-5)
-    e12 = direct_epsilon(poisson_event(0.01, 1.5, 12), "pld", 1e-5)
-    assert e11 < e12
-    ledger = PrivacyLedger(cfg.replace(epsilon_budget=(e11 + e12) / 2))
-    for _ in range(10):
+def test_pld_budget_check_decides_on_the_exact_epsilon_between_exact_rounds():
+    """Issue 25 item 7 (there: round 14 at exact ε 1.9716 <= 2.0 was refused by its bound). Between exact rounds
+    the schedule holds the next exact round's ε, an upper bound; when that bound is over the budget, the round's
+    exact ε decides: a round whose exact ε fits runs and records that ε, the next one, over budget, is refused.
+    Both exact values come from a fresh dp_accounting PLDAccountant here."""
+    cfg = _ledger_config(accountant="pld", rounds=20)  # exact rounds 1..10, 13, 17, 20
+    schedule = epsilon_schedule(cfg)
+    assert 14 not in schedule.exact_rounds and 15 not in schedule.exact_rounds
+    e14 = direct_epsilon(poisson_event(0.01, 1.5, 14), "pld", 1e-5)
+    e15 = direct_epsilon(poisson_event(0.01, 1.5, 15), "pld", 1e-5)
+    budget = (e14 + e15) / 2
+    assert e14 < budget < e15 <= schedule.at(14)  # the bound alone would refuse round 14
+    ledger = PrivacyLedger(cfg.replace(epsilon_budget=budget))
+    for _ in range(13):
         ledger.record_round()
+    assert [r.epsilon for r in ledger.records] == list(schedule.epsilons[:13])  # exact rounds: the schedule's
+    assert ledger.check_next_round() == pytest.approx(e14, rel=REL)
+    ledger.record_round()
+    assert ledger.rounds == 14 and ledger.epsilon == pytest.approx(e14, rel=REL)
     with pytest.raises(BudgetExceededError, match="budget"):
-        ledger.check_next_round()  # exact ε(11) would fit, the reported upper bound does not
-    assert ledger.rounds == 10
+        ledger.check_next_round()
+    with pytest.raises(BudgetExceededError, match="budget"):
+        ledger.record_round()
+    assert ledger.rounds == 14
+    assert PrivacyLedger.from_dict(ledger.to_dict()).epsilon == ledger.epsilon  # the exact value restores
 
 
 def test_ledger_restores_a_checkpoint_that_recorded_the_exact_pld_value():

@@ -9,7 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from fed_dp.audit import gaussian_fit_epsilon, gdp_delta, gdp_epsilon, one_run_lower_bound, p_value
+from fed_dp.audit import (gaussian_fit_epsilon, gdp_delta, gdp_epsilon, lower_bound_cap, lower_bound_verdict,
+                          mechanism_test, one_run_lower_bound, p_value)
 
 
 @pytest.mark.parametrize("mu", [0.3, 1.0, 2.5])
@@ -65,3 +66,67 @@ def test_the_lower_bound_is_sound_and_the_estimate_is_close_by_monte_carlo():
         estimates.append(gaussian_fit_epsilon(scores[inserted], scores[~inserted], delta)[0])
     assert above / runs <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / runs)
     assert sum(estimates) / runs == pytest.approx(truth, rel=0.15)
+
+
+def test_the_lower_bound_cap_is_the_bound_of_perfect_guesses():
+    """Issue 25's figures: the bound cannot exceed 3.755 at δ = 1e-5 or 2.863 at δ = 1e-4 with 1,000 canaries,
+    and more canaries barely raise it (5.22 at 10,000); perfect scores reach the cap exactly."""
+    assert lower_bound_cap(1000, 1e-5) == pytest.approx(3.755, abs=1e-3)
+    assert lower_bound_cap(1000, 1e-4) == pytest.approx(2.863, abs=1e-3)
+    assert lower_bound_cap(10_000, 1e-5) == pytest.approx(5.22, abs=1e-2)
+    inserted = torch.rand(1000, generator=torch.Generator().manual_seed(0)) < 0.5
+    perfect = one_run_lower_bound(inserted.double(), inserted, 1e-5)
+    assert perfect["epsilon_lower_bound"] == lower_bound_cap(1000, 1e-5)
+    assert lower_bound_cap(1000, 1e-5, confidence=0.99) < lower_bound_cap(1000, 1e-5)
+    assert lower_bound_verdict(3.0, 3.755, 4.0, 0.95) == "inconclusive"  # accounted ε above the cap
+    assert lower_bound_verdict(3.755, 3.755, 3.755, 0.95) == "inconclusive"  # at the cap
+    assert lower_bound_verdict(1.0, 3.755, 2.0, 0.95) == "consistent"
+    assert lower_bound_verdict(2.5, 3.755, 2.0, 0.95) == "leaks more than accounted at confidence 95%"
+
+
+def _simulated_mechanism_tests(generator, *, runs, dim, canaries, rounds, q, sigma, noise_sigma):
+    """The accounted mechanism written out, ``runs`` times at once: orthonormal canaries c_i (one draw), each
+    inserted with probability ½ per run; in each of T rounds every inserted canary is sampled with probability q
+    and the noisy sum is ỹ_t = Σ_{sampled} c_i + noise_sigma·g_t, g_t ~ N(0, I_d) (ζ = 1); scores u = Σ_t C·ỹ_t,
+    tested against the accounted ``sigma``."""
+    c = torch.linalg.qr(torch.randn(dim, canaries, generator=generator, dtype=torch.float64))[0].T
+    inserted = torch.rand(runs, canaries, generator=generator) < 0.5
+    sampled = inserted[:, None, :] & (torch.rand(runs, rounds, canaries, generator=generator) < q)
+    noisy = sampled.double() @ c + noise_sigma * torch.randn(runs, rounds, dim, generator=generator, dtype=torch.float64)
+    scores = (noisy @ c.T).sum(dim=1)
+    return [mechanism_test(scores[r], inserted[r], noise_multiplier=sigma, rounds=rounds, sampling_rate=q)
+            for r in range(runs)]
+
+
+def test_the_mechanism_tests_law_by_monte_carlo():
+    """1,000 simulated runs of the accounted mechanism (σ = 0.4, q = 0.3, T = 4, 60 candidates, ~30 per group):
+    the p-values are uniform (Kolmogorov-Smirnov), so the test flags 5% of honest runs (within 3 standard
+    errors: 2.9%-7.1%) and μ̂ averages q√T/σ (within the noncentral t's small-sample bias, +3% at 29 degrees of
+    freedom). σ is small so that the participation counts make 30% of μ̂'s variance: a law that left them out
+    would flag about 8% of honest runs. With 4× less noise than accounted every run is flagged."""
+    generator = torch.Generator().manual_seed(11)
+    runs = 1000
+    honest = _simulated_mechanism_tests(generator, runs=runs, dim=120, canaries=60, rounds=4, q=0.3, sigma=0.4,
+                                        noise_sigma=0.4)
+    p_values = [r["p_value"] for r in honest]
+    assert stats.kstest(p_values, "uniform").pvalue > 1e-3
+    flagged = sum(r["verdict"] != "consistent" for r in honest) / runs
+    assert abs(flagged - 0.05) <= 3 * math.sqrt(0.05 * 0.95 / runs)
+    assert sum(r["mu"] for r in honest) / runs == pytest.approx(honest[0]["mu_expected"], rel=0.05)
+    assert honest[0]["mu_expected"] == pytest.approx(0.3 * 2 / 0.4)
+    assert sum(r["held_out_spread"] for r in honest) / runs == pytest.approx(1.0, abs=0.02)
+    broken = _simulated_mechanism_tests(generator, runs=50, dim=120, canaries=60, rounds=4, q=0.3, sigma=0.4,
+                                        noise_sigma=0.1)
+    assert all(r["verdict"] == "leaks more than accounted at confidence 95%" for r in broken)
+
+
+def test_the_mechanism_test_refuses_what_it_cannot_test():
+    scores, inserted = torch.randn(10), torch.arange(10) < 5
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        mechanism_test(scores, inserted, noise_multiplier=0.0, rounds=1, sampling_rate=0.5)
+    with pytest.raises(ValueError, match="at least 1 inserted and 3 held-out"):
+        mechanism_test(scores, torch.arange(10) < 8, noise_multiplier=1.0, rounds=1, sampling_rate=0.5)
+    with pytest.raises(ValueError, match="sampling_rate"):
+        mechanism_test(scores, inserted, noise_multiplier=1.0, rounds=1, sampling_rate=0.0)
+    everyone = mechanism_test(scores, inserted, noise_multiplier=1.0, rounds=4, sampling_rate=1.0)  # sampler "all"
+    assert everyone["mu_expected"] == 2.0 and 0 <= everyone["p_value"] <= 1

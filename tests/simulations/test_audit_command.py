@@ -1,10 +1,13 @@
 """`fed-dp audit` on the in-process engine: it has power (no noise, and a mechanism with 4× less noise than it
-accounts for, are caught) and is sound (with the real mechanism its lower bound stays below the accounted ε)."""
+accounts for, are caught, by the mechanism test at accounted ε = 4 and 8) and is sound (with the real mechanism
+its lower bound stays below the accounted ε and the mechanism test does not flag it)."""
 
 from __future__ import annotations
 
 import json
 import math
+
+import torch
 
 import pytest
 
@@ -56,6 +59,67 @@ def test_mechanism_only_sees_the_canaries_through_the_noise_alone():
     assert noiseless.results["final-model"]["epsilon_lower_bound"] > 3
 
 
+SMALL = heavy_tail_task(dim=100)  # d = 700 parameters: room for 300 canaries; 40 users
+
+
+def _mechanism_audit(epsilon: float, seed: int, noise_scale: float = 1.0):
+    """Mechanism only, 40 users + about 150 inserted canaries, B = 95 (q ≈ 0.5), T = 5, RDP-calibrated σ."""
+    privacy = PrivacyConfig(expected_cohort=95, rounds=5, target_epsilon=epsilon, delta=1e-5, accountant="rdp")
+    return run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, seed=seed,
+                     mechanism_only=True, noise_scale=noise_scale)
+
+
+@pytest.mark.parametrize("epsilon", [4.0, 8.0])
+def test_the_mechanism_test_flags_four_times_too_little_noise_and_passes_the_real_mechanism(epsilon):
+    """Issue 25 item 1: at accounted ε = 4 and 8, above the lower bound's cap (2.56 for 300 canaries at δ = 1e-5),
+    the lower bound is inconclusive, while the hypothesis test decides. With ~150 canaries per group the test's
+    μ̂ has a standard deviation of about 0.12 (ε = 4) and 0.14 (ε = 8) around q√T/σ ≈ 0.67 and 1.10; 4× too
+    little noise multiplies μ by 4 (measured: 2.5-2.7 and 4.0-4.4), 9 to 11 of its standard deviations above
+    the critical value, so a seed misses it with probability below 1e-18: every seed is flagged, p < 1e-6. An
+    honest run is flagged with probability 1 − 0.95 = 5% (the law is exact: tests/fed_dp/test_audit_statistics.py
+    checks that rate by Monte Carlo); the seeds are fixed, so the outcome is deterministic (p = 0.34, 0.67,
+    0.34 at ε = 4 and 0.49, 0.73, 0.39 at ε = 8)."""
+    for seed in (0, 1, 2):
+        honest = _mechanism_audit(epsilon, seed)
+        assert honest.epsilon_accounted == pytest.approx(epsilon, rel=1e-3)
+        assert honest.epsilon_accounted >= honest.lower_bound_cap
+        for values in honest.results.values():
+            assert values["lower_bound_verdict"] == "inconclusive"
+        test = honest.mechanism_test
+        assert test["verdict"] == "consistent" and test["p_value"] > 0.05
+        assert test["held_out_spread"] == pytest.approx(1.0, abs=0.25)  # the accounted noise, measured
+        broken = _mechanism_audit(epsilon, seed, noise_scale=0.25)
+        assert broken.epsilon_accounted == honest.epsilon_accounted  # the accounting still claims the full noise
+        test = broken.mechanism_test
+        assert test["verdict"] == "leaks more than accounted at confidence 95%" and test["p_value"] < 1e-6
+        assert test["mu"] > 3 * test["mu_expected"] and test["held_out_spread"] == pytest.approx(0.25, abs=0.07)
+
+
+def test_the_mechanism_test_is_not_run_where_its_law_does_not_hold():
+    """With training, the users' updates enter the noisy sums; without noise there is nothing to test against."""
+    privacy = PrivacyConfig(expected_cohort=95, rounds=2, target_epsilon=4.0, delta=1e-5, accountant="rdp")
+    trained = run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, seed=0)
+    assert trained.mode == "with training" and trained.mechanism_test["verdict"] == "not tested"
+    assert "drift" in trained.mechanism_test["reason"] and trained.mechanism_test["held_out_spread"] > 0
+    noiseless = run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, mechanism_only=True,
+                          no_noise=True)
+    assert noiseless.mechanism_test["verdict"] == "not tested" and "infinite" in noiseless.mechanism_test["reason"]
+    for values in noiseless.results.values():  # ε = ∞ is above any cap
+        assert values["lower_bound_verdict"] == "inconclusive"
+    json.dumps(noiseless.rows(), allow_nan=False)  # strict JSON: the infinite ε is null
+    assert noiseless.rows()[0]["epsilon_accounted"] is None
+    with pytest.raises(ValueError, match="noise_scale"):
+        run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, noise_scale=-1.0)
+
+
+def test_the_canaries_are_orthonormal():
+    """The mechanism test's law needs ⟨c_i, c_j⟩ = [i = j] (fed_dp.audit.mechanism_test)."""
+    from fed_dp.simulations.audit import _canary_directions
+
+    directions = _canary_directions(50, 120, seed=3).double()
+    assert torch.allclose(directions @ directions.T, torch.eye(50, dtype=torch.float64), atol=1e-6)
+
+
 def test_the_command_prints_one_json_object_per_threat_model(tmp_path, capsys):
     sets = ["task.dim=100", "task.users=40", "privacy.expected-cohort=20", "privacy.rounds=2",
             'privacy.accountant="rdp"', "privacy.target-epsilon=4.0"]
@@ -65,8 +129,10 @@ def test_the_command_prints_one_json_object_per_threat_model(tmp_path, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["threat_model"] for r in rows] == ["final-model", "all-iterates"]
     for row in rows:
-        assert {"epsilon_accounted", "epsilon_estimate", "epsilon_lower_bound", "canaries", "threat_model"} <= set(row)
-        assert row["canaries"] == 100 and row["epsilon_accounted"] <= 4.0
+        assert {"epsilon_accounted", "epsilon_estimate", "epsilon_lower_bound", "canaries", "threat_model",
+                "lower_bound_cap", "lower_bound_verdict", "mechanism_test", "mode"} <= set(row)
+        assert row["canaries"] == 100 and row["epsilon_accounted"] <= 4.0 and row["mode"] == "mechanism-only"
+        assert {"mu", "mu_expected", "p_value", "verdict"} <= set(row["mechanism_test"])
     assert (tmp_path / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -79,7 +145,11 @@ def test_noise_multiplier_zero_only_in_the_audit(capsys):
     assert refused.value.code == 2 and "only `fed-dp audit` takes 0" in capsys.readouterr().err
     assert cli_main(["audit", *task, *sets, "--canaries", "100", "--threat-model", "final-model"]) == 0
     printed = capsys.readouterr().out
-    assert "no noise" in printed and "inf" in printed
+    assert "no noise" in printed and "inf" in printed and "inconclusive" in printed
+    assert cli_main(["audit", *task, *sets, "--canaries", "100", "--json"]) == 0
+    for line in capsys.readouterr().out.splitlines():  # strict JSON (no Infinity): ε = ∞ is null
+        assert json.loads(line, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}"))[
+            "epsilon_accounted"] is None
 
 
 def test_a_model_too_small_for_the_canaries_is_refused():
