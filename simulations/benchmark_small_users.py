@@ -32,8 +32,9 @@ compared (with one round, as for B by default, that first round).
 Peak memory: the process's peak resident set (``VmHWM`` of ``/proc/self/status``) during each engine round,
 reset (``/proc/self/clear_refs``) before the run and after each direct round, so it is the engine's peak with
 everything the process already holds (the task's data and the direct implementation's copy of the inputs,
-reported beside it as the resident set before the run). Where the reset is not possible the peak is the
-process's lifetime peak (``ru_maxrss``), and the result says so.
+reported beside it as the resident set before the run). The workloads run in the order A, C, B, the largest
+last: memory a workload frees stays with the process and would be counted in the next one's. Where the reset
+is not possible the peak is the process's lifetime peak (``ru_maxrss``), and the result says so.
 """
 
 from __future__ import annotations
@@ -158,18 +159,17 @@ class PopulationWorkload(_Round):
 
 
 def workloads(*, smoke: bool, rounds: int, paper_rounds: int) -> list[HeavyTailWorkload | PopulationWorkload]:
-    """The section's workloads: A, B (unless ``paper_rounds`` is 0) and C; tiny ones with ``smoke``."""
+    """The section's workloads in the order they run: A, C, then B (unless ``paper_rounds`` is 0), the largest
+    last, since the memory a workload frees stays with this process (``clients.training.keep_freed_memory``)
+    and would be counted in the next one's peak; tiny ones with ``smoke``."""
     check_int("rounds", rounds, minimum=1)
     check_int("paper_rounds", paper_rounds, minimum=0)
     if smoke:
-        chosen: list[HeavyTailWorkload | PopulationWorkload] = [HeavyTailWorkload(name="A", groups=3, largest=8, rounds=2)]
-        if paper_rounds:
-            chosen.append(HeavyTailWorkload(name="B", groups=4, largest=16, rounds=1))
-        return chosen + [PopulationWorkload(cohort=8, vocabulary=100, rounds=1)]
-    chosen = [HeavyTailWorkload(name="A", groups=6, largest=256, rounds=rounds)]
-    if paper_rounds:
-        chosen.append(HeavyTailWorkload(name="B", groups=8, largest=1024, rounds=paper_rounds))
-    return chosen + [PopulationWorkload(rounds=rounds)]
+        a, c = HeavyTailWorkload(name="A", groups=3, largest=8, rounds=2), PopulationWorkload(cohort=8, vocabulary=100,
+                                                                                              rounds=1)
+        return [a, c] + ([HeavyTailWorkload(name="B", groups=4, largest=16, rounds=1)] if paper_rounds else [])
+    a, c = HeavyTailWorkload(name="A", groups=6, largest=256, rounds=rounds), PopulationWorkload(rounds=rounds)
+    return [a, c] + ([HeavyTailWorkload(name="B", groups=8, largest=1024, rounds=paper_rounds)] if paper_rounds else [])
 
 
 # --- the direct implementation of the round -----------------------------------------------------------------
