@@ -56,7 +56,7 @@ from fed_dp.clipping import clip_factor
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import Adam, make_optimizer
 from fed_dp.simulations import engine
-from fed_dp.simulations.benchmark import _table, summarize, torch_threads
+from fed_dp.simulations.benchmark import _table, _timed, summarize, torch_threads
 from fed_dp.simulations.builtin_tasks import STACKOVERFLOW_USERS, heavy_tail_task, stackoverflow_like_task
 from fed_dp.validation import check_int, check_positive
 
@@ -272,7 +272,8 @@ class DirectLinearRound:
 
 def _status_bytes(key: str) -> int | None:
     try:
-        match = re.search(rf"^{key}:\s+(\d+) kB", open("/proc/self/status").read(), re.MULTILINE)
+        with open("/proc/self/status") as status:
+            match = re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.MULTILINE)
     except OSError:
         return None
     return int(match.group(1)) * 1024 if match else None
@@ -346,7 +347,7 @@ def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: fl
     """One workload, one torch thread: the engine's rounds (interleaved with the direct implementation's for
     the heavy-tail workloads), medians, their ratio, milliseconds per user and the engine's peak memory."""
     with torch_threads(1):
-        setup, task = _seconds(workload.task)
+        setup, task = _timed(workload.task)
         direct = DirectLinearRound.of_task(task, workload) if isinstance(workload, HeavyTailWorkload) else None
         model = task.build_model()
         run, resettable, before = _engine_rounds(task, workload, between=None if direct is None else direct.step,
@@ -373,12 +374,6 @@ def median_ratio(engine_seconds: list[float], direct_seconds: list[float]) -> fl
     if not direct_seconds:
         return None
     return summarize(engine_seconds)["median"] / summarize(direct_seconds)["median"]
-
-
-def _seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - started, value
 
 
 def bench_small_users(chosen: list[HeavyTailWorkload | PopulationWorkload], *, max_seconds: float | None = None,
