@@ -190,7 +190,7 @@ def linear_softmax_clipped_sum(weight: torch.Tensor, x: torch.Tensor, y: torch.T
     residual = torch.softmax(x @ weight.T, dim=1)
     residual[torch.arange(len(y)), y] -= 1.0
     norms = local_lr * torch.linalg.vector_norm(residual, dim=1) * torch.linalg.vector_norm(x, dim=1)
-    factors = local_lr * clip_factor(norms, clip_norm)
+    factors = (local_lr * clip_factor(norms, clip_norm)).to(x.dtype)
     return -(residual * factors.unsqueeze(1)).T.matmul(x).reshape(-1), norms
 
 
@@ -339,7 +339,9 @@ def _engine_rounds(task: Task, workload: HeavyTailWorkload | PopulationWorkload,
 
 
 def _path(record: dict[str, Any]) -> str:
-    return str(record.get("path") or ("vectorized" if record.get("vectorized") else "sequential"))
+    """The path a round's record says trained its users (``clients.vectorized.path_metrics``): ``one-step`` when
+    some of them trained on it."""
+    return "one-step" if record.get("one_step") else ("vectorized" if record.get("vectorized") else "sequential")
 
 
 def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: float | None = None,

@@ -17,12 +17,12 @@ from fed_dp.simulations.builtin_tasks import heavy_tail_task
 from fed_dp.simulations.cli import main as cli_main
 
 
-@pytest.mark.parametrize("local_lr", [1.0, 0.3])
-def test_direct_clipped_sum_equals_the_engines_contribution(local_lr):
-    """Same users, same θ, same clip: the closed form (a ⊙ R)ᵀX equals LocalTrainer.contribution's Σu, with
-    some users clipped and some not."""
+@pytest.mark.parametrize(("local_lr", "training"), [(1.0, "auto"), (0.3, "auto"), (1.0, "sequential")])
+def test_direct_clipped_sum_equals_the_engines_contribution(local_lr, training):
+    """Same users, same θ, same clip: the closed form (a ⊙ R)ᵀX equals LocalTrainer.contribution's Σu (the path
+    the engine chooses, and the sequential one), with some users clipped and some not."""
     task = heavy_tail_task(groups=3, largest=8, users=24, seed=1)
-    trainer = LocalTrainer(task, LocalTraining(steps=1, batch_size=64, lr=local_lr), device="cpu")
+    trainer = LocalTrainer(task, LocalTraining(steps=1, batch_size=64, lr=local_lr), device="cpu", training=training)
     theta = 0.3 * torch.randn(trainer.layout.size, generator=torch.Generator().manual_seed(0))
     direct = small.DirectLinearRound.of_task(task, small.HeavyTailWorkload(groups=3, largest=8, local_lr=local_lr))
     _, norms = small.linear_softmax_clipped_sum(theta.view(direct.shape), direct.x, direct.y, clip_norm=1.0,
