@@ -17,8 +17,9 @@ Three workloads, one torch thread, on the CPU:
     Linear: 130,012 weights), ``losses.next_token``, Poisson sampling of 1,000 users per round, the same local
     step, clip, noise and optimizer. Reported: seconds per round, milliseconds per user, peak memory.
 
-What is timed. The engine: whole ``fed_dp.train`` runs (``simulations.engine``, ``training="auto"``, so a
-faster path that ``fed_dp.clients.vectorized.contribution`` chooses is measured as soon as it exists), and of
+What is timed. The engine: whole ``fed_dp.train`` runs (``simulations.engine``, ``training="auto"``: the path
+``fed_dp.clients.vectorized.contribution`` chooses, ``clients.one_step`` for these one-step users; or the path
+``--small-users-training`` forces, to compare the paths on the same workloads), and of
 each round its record's ``round_seconds``: from ``begin_round`` (budget check, sampling) through
 ``LocalTrainer.contribution`` (loading, local step, clipping and summing of every user) to ``finish_round``
 (validation, noise, DP-AdamBC, the ledger) — everything a round costs. Not timed: building the task, the
@@ -64,6 +65,10 @@ __all__ = ["AdamBCState", "DirectLinearRound", "HeavyTailWorkload", "PopulationW
            "adambc_update", "bench_small_users", "format_small_users", "linear_softmax_clipped_sum", "workloads"]
 
 
+#: The engine's training paths (``LocalTrainer``'s ``training``): its own choice, or one forced.
+TRAINING = ("auto", "sequential", "vectorized")
+
+
 # --- workloads ----------------------------------------------------------------------------------------------
 
 
@@ -80,8 +85,11 @@ class _Round:
     server_lr: float = 0.003
     delta: float = 1e-5
     seed: int = 0
+    training: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.training not in TRAINING:
+            raise ValueError(f"training must be one of {', '.join(TRAINING)}, got {self.training!r}")
         check_int("rounds", self.rounds, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
         check_int("seed", self.seed, minimum=0)
@@ -158,18 +166,22 @@ class PopulationWorkload(_Round):
                 f"V = {self.vocabulary:,}, Poisson B = {self.cohort:,}")
 
 
-def workloads(*, smoke: bool, rounds: int, paper_rounds: int) -> list[HeavyTailWorkload | PopulationWorkload]:
+def workloads(*, smoke: bool, rounds: int, paper_rounds: int,
+              training: str = "auto") -> list[HeavyTailWorkload | PopulationWorkload]:
     """The section's workloads in the order they run: A, C, then B (unless ``paper_rounds`` is 0), the largest
     last, since the memory a workload frees stays with this process (``clients.training.keep_freed_memory``)
-    and would be counted in the next one's peak; tiny ones with ``smoke``."""
+    and would be counted in the next one's peak; tiny ones with ``smoke``. ``training``: the engine's path."""
     check_int("rounds", rounds, minimum=1)
     check_int("paper_rounds", paper_rounds, minimum=0)
     if smoke:
-        a, c = HeavyTailWorkload(name="A", groups=3, largest=8, rounds=2), PopulationWorkload(cohort=8, vocabulary=100,
-                                                                                              rounds=1)
-        return [a, c] + ([HeavyTailWorkload(name="B", groups=4, largest=16, rounds=1)] if paper_rounds else [])
-    a, c = HeavyTailWorkload(name="A", groups=6, largest=256, rounds=rounds), PopulationWorkload(rounds=rounds)
-    return [a, c] + ([HeavyTailWorkload(name="B", groups=8, largest=1024, rounds=paper_rounds)] if paper_rounds else [])
+        a = HeavyTailWorkload(name="A", groups=3, largest=8, rounds=2, training=training)
+        c = PopulationWorkload(cohort=8, vocabulary=100, rounds=1, training=training)
+        b = HeavyTailWorkload(name="B", groups=4, largest=16, rounds=1, training=training)
+    else:
+        a = HeavyTailWorkload(name="A", groups=6, largest=256, rounds=rounds, training=training)
+        c = PopulationWorkload(rounds=rounds, training=training)
+        b = HeavyTailWorkload(name="B", groups=8, largest=1024, rounds=max(1, paper_rounds), training=training)
+    return [a, c] + ([b] if paper_rounds else [])
 
 
 # --- the direct implementation of the round -----------------------------------------------------------------
@@ -332,7 +344,7 @@ def _engine_rounds(task: Task, workload: HeavyTailWorkload | PopulationWorkload,
 
     try:
         engine.train(task, privacy, workload.optimizer(), workload.local(), seed=workload.seed, eval_every=0,
-                     device="cpu", training="auto", on_round=on_round)
+                     device="cpu", training=workload.training, on_round=on_round)
     except _OutOfTime:
         pass
     return run, resettable, before
@@ -359,7 +371,7 @@ def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: fl
     result: dict[str, Any] = {
         "name": workload.name, "label": workload.label(), "population": task.num_users,
         "weights": sum(p.numel() for p in model.parameters()), "rounds": len(run.records),
-        "rounds_planned": workload.rounds, "setup_seconds": setup,
+        "rounds_planned": workload.rounds, "setup_seconds": setup, "training": workload.training,
         "engine_round_seconds": engine_seconds, "users_per_round": users, "paths": sorted({_path(r) for r in run.records}),
         "engine": summarize(engine_seconds), "ms_per_user": 1e3 * sum(engine_seconds) / max(1, sum(users)),
         "peak_resident_bytes": max(run.peaks), "resident_before_bytes": before, "peak_reset_per_round": resettable,
@@ -440,10 +452,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-users-max-seconds", type=_seconds_cap, default=None, metavar="S",
                         help="small-users: end a workload after the round that passes S seconds (at least one "
                              "round runs; default: no cap)")
+    parser.add_argument("--small-users-training", choices=TRAINING, default="auto",
+                        help="small-users: the engine's training path (default auto: the engine's own choice; "
+                             "sequential or vectorized force one, to compare)")
 
 
 def run_section(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """``--only small-users`` with the options of :func:`add_arguments`."""
     chosen = workloads(smoke=bool(args.smoke), rounds=args.small_users_rounds,
-                       paper_rounds=args.small_users_paper_rounds)
+                       paper_rounds=args.small_users_paper_rounds, training=args.small_users_training)
     return bench_small_users(chosen, max_seconds=args.small_users_max_seconds, log=log)

@@ -61,6 +61,10 @@ def test_workloads_are_the_issues_sizes_and_the_paper_size_can_be_skipped():
         assert w.local().steps == 1 and w.optimizer().bias_correction
     assert a.privacy().sampler == "all" and a.privacy().expected_cohort == 1536 and c.privacy().sampler == "poisson"
     assert [w.name for w in small.workloads(smoke=False, rounds=2, paper_rounds=0)] == ["A", "C"]
+    assert {w.training for w in small.workloads(smoke=True, rounds=1, paper_rounds=1, training="sequential")} == {
+        "sequential"}
+    with pytest.raises(ValueError, match="training must be one of auto, sequential, vectorized"):
+        small.HeavyTailWorkload(training="fast")
     with pytest.raises(ValueError, match="paper_rounds must be an integer >= 0"):
         small.workloads(smoke=False, rounds=2, paper_rounds=-1)
 
@@ -95,6 +99,7 @@ def test_smoke_run_of_the_section(tmp_path):
         assert w["users_per_round"] == [w["population"]] * w["rounds"]  # every user every round
         assert len(w["direct_round_seconds"]) == w["rounds"] == w["rounds_planned"]
         assert w["ratio_to_direct"] == pytest.approx(w["engine"]["median"] / w["direct"]["median"])
+    assert {path for w in rows.values() for path in w["paths"]} == {"one-step"}  # the engine's own choice
     assert rows["C"]["direct"] is None and rows["C"]["population"] == 342_477 and rows["C"]["weights"] == 1_312
     for w in rows.values():
         assert w["ms_per_user"] == pytest.approx(1e3 * sum(w["engine_round_seconds"]) / sum(w["users_per_round"]))
