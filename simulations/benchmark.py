@@ -1,6 +1,6 @@
 """``fed-dp benchmark``: the workloads of BENCHMARKS.md, measured side by side in one invocation.
 
-    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu] [--smoke]
+    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users] [--smoke]
 
 Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`` with a figure
 ``DIR/benchmark.png``):
@@ -49,6 +49,14 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     A SuperLink and 10 SuperNodes on 127.0.0.1 as processes: the seconds of a round of Flower's floor (an echo
     app: one W1-sized array to every node and back) and of the project's apps with a trivial local step, without
     and with a node service beside each SuperNode, side by side (:func:`bench_deployment`).
+``small-users``
+    Many users with little data each, one torch thread (``simulations.benchmark_small_users``): seed 003's
+    heavy-tail task with one example per user at G = 6, L = 256 and at the paper's G = 8, L = 1,024, the
+    engine's rounds against a direct implementation of the same round (closed-form per-example gradients of
+    the linear model), alternating, with the ratio of the medians and the peak memory; and a StackOverflow-
+    shaped population of 342,477 lazily generated users, 1,000 per round: seconds per round, ms per user, peak
+    memory. ``--small-users-rounds``, ``--small-users-paper-rounds`` (0 skips the paper's size) and
+    ``--small-users-max-seconds`` size it.
 ``gpu`` (only with CUDA)
     W1's data scaled to 10,000 users and 1,000 per round on ``cuda``, with W1's CNN and the seeds' CIFAR CNN:
     users/s of the engine's vectorized path against the hardware's practical limit for the same work (one
@@ -92,7 +100,7 @@ from fed_dp.clients.task import initial_model
 from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
 from fed_dp.simulations.builtin_tasks import w1_task
 
-SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment")
+SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
 SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "flower-dp-flwr-run", "fed-dp-flower")
 
@@ -776,6 +784,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes, one run: checks that every section works (seconds, not a measurement)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one Flower run (default 600)")
+    from fed_dp.simulations.benchmark_small_users import add_arguments as small_users_arguments
+
+    small_users_arguments(parser)
     return parser
 
 
@@ -841,6 +852,13 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="fed-dp-deployment-") as folder:
             results["deployment"] = bench_deployment(nodes, rounds, Path(folder), log=log)
         section("deployment rounds", format_deployment(results["deployment"]))
+    if "small-users" in sections:
+        from fed_dp.simulations import benchmark_small_users
+
+        log("measuring many small users ...")
+        results["small-users"] = benchmark_small_users.run_section(args, log=log)
+        section("many small users: the engine against a direct implementation of the same round",
+                benchmark_small_users.format_small_users(results["small-users"]))
     (out / "benchmark.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "benchmark.txt").write_text("\n".join(printed) + "\n")
     figure = plot(results, out / "benchmark.png")

@@ -12,6 +12,7 @@ config names by its short name (``task.ref = "heavy-tail"``) or by reference
 | ``cifar10`` | ``cifar-10-batches-py`` from a local folder (seeds 001, 004) | 5-layer DP CNN | the test batch |
 | ``barcode-mnist`` | MNIST idx files from a local folder, seed 003 App. B | 2-conv CNN | a held-out split, per group |
 | ``w1`` | BENCHMARKS.md W1: CIFAR-shaped noise, labels independent of inputs, seeded by user id (built in) | W1 CNN | nothing (a throughput workload) |
+| ``stackoverflow_like_task`` (by reference) | 342,477 lazily generated users of 1–64 Zipf-distributed token sequences, seeded by user id (built in) | bigram LM (Embedding, LayerNorm, Linear) | nothing (a throughput workload) |
 
 Users: ``users`` = N; ``partition`` = ``iid`` | ``dirichlet`` (``alpha``) | ``power-law`` (``exponent``) |
 ``natural-id`` (where the data has ids). Every example belongs to exactly one user. All use the
@@ -176,6 +177,39 @@ def w1_task(*, users: int = 500, examples: int = 32) -> Task:
         model=models.w1_cnn,
         loss=losses.classification,
         description=f"W1 throughput workload (BENCHMARKS.md): N={users} users x {examples} synthetic CIFAR-shaped examples",
+    )
+
+
+#: StackOverflow's federated training population (TensorFlow Federated's split): the size of
+#: :func:`stackoverflow_like_task`'s population.
+STACKOVERFLOW_USERS = 342_477
+
+
+def stackoverflow_like_task(
+    *, users: int = STACKOVERFLOW_USERS, vocabulary: int = 10_000, length: int = 20, max_sequences: int = 64,
+    sequences_exponent: float = 1.0, embedding: int = 6, seed: int = 0,
+) -> Task:
+    """A StackOverflow-shaped population for throughput measurements: ``users`` users (default 342,477, as
+    StackOverflow's training split), each generated when it is sampled, never before
+    (:func:`synthetic.stackoverflow_like_user`: 1..``max_sequences`` sequences of ``length`` tokens, a
+    Zipf-distributed count per user and Zipf-distributed tokens, from a generator seeded by the user id and
+    ``seed``); next-token prediction (``losses.next_token``) with ``models.bigram_lm`` (V·e + 2e + e·V + V
+    weights: 130,012 at the defaults). No held-out data: tokens are independent, so there is nothing to learn."""
+    users = _check_positive_int("users", users)
+    options = {"vocabulary": _check_positive_int("vocabulary", vocabulary, 2), "length": length,
+               "max_sequences": _check_positive_int("max_sequences", max_sequences), "seed": seed,
+               "sequences_exponent": sequences_exponent}
+
+    def load(user_id: int) -> tuple[torch.Tensor]:
+        return synthetic.stackoverflow_like_user(user_id, **options)
+
+    return Task(
+        name="stackoverflow-like",
+        users=Users(users, load),
+        model=lambda: models.bigram_lm(vocabulary, embedding),
+        loss=losses.next_token,
+        description=f"StackOverflow-shaped synthetic population: N={users} lazily generated users of "
+                    f"1..{max_sequences} sequences of {length} tokens (Zipf, s={sequences_exponent}), V={vocabulary}",
     )
 
 

@@ -4,7 +4,7 @@
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
     fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR] [--with-training]
-    fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu] [--no-flower] [--out DIR] [--smoke]
+    fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu,small-users] [--no-flower] [--out DIR] [--smoke]
 
 Under ``torchrun`` (``torchrun --nproc_per_node 2 $(which fed-dp) simulate ...``) ``simulate`` and ``compare``
 spread every round's cohort over the processes (``fed_dp.simulations.distributed``); rank 0 reports and writes.

@@ -11,6 +11,7 @@ per-example / per-user clipping).
 | ``small_cnn(c, channels, size)`` | FEMNIST (1×28×28, c = 62), FLAIR (3×32×32, 17 labels) | the W1 CNN's layers | 5,088 + (32·(size/4)² + 1)·c + 144·(channels − 3) |
 | ``pair_classifier(V, c)`` | SNLI, QNLI sentence pairs | mean word embeddings of both sentences, [u, v, ∣u−v∣, u·v], MLP | V·e + 4e·h + h + h·c + c |
 | ``token_lm(V)`` | PTB, E2E, Shakespeare, StackOverflow next-token prediction | embeddings, causal convolutions + running mean, tied output | V·e + V + l·(k·e² + e) + e² + e |
+| ``bigram_lm(V)`` | the ``small-users`` benchmark's StackOverflow-shaped population | embedding, LayerNorm, linear | V·e + 2e + e·V + V |
 
 Text models (``pair_classifier``, ``token_lm``) take integer token ids with ``<pad>`` = 0 and mask padding by
 arithmetic, not by branching, so they vectorize over users with ``torch.func`` like the others.
@@ -36,8 +37,10 @@ __all__ = [
     "Logistic1D",
     "PairClassifier",
     "TokenLM",
+    "BigramLM",
     "W1CNN",
     "barcode_cnn",
+    "bigram_lm",
     "cifar_cnn",
     "linear_softmax",
     "logistic_1d",
@@ -291,6 +294,27 @@ def token_lm(vocab_size: int, embedding: int = 64, layers: int = 2, context: int
     return TokenLM(vocab_size, embedding, layers, context)
 
 
+class BigramLM(nn.Module):
+    """Next-token logits from the current token alone (see :func:`bigram_lm`)."""
+
+    def __init__(self, vocab_size: int, embedding: int = 6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embedding)
+        self.norm = nn.LayerNorm(embedding)
+        self.out = nn.Linear(embedding, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (N, L) → (N, L, V)
+        return self.out(self.norm(self.embed(tokens)))
+
+
+def bigram_lm(vocab_size: int, embedding: int = 6) -> BigramLM:
+    """The smallest next-token model of the layers a per-user fast path handles (Embedding, LayerNorm,
+    Linear; no recurrence, no attention): logits(t) = W·LayerNorm(E[token t]) + b, a bigram model of rank e.
+    Parameters: V·e + 2e + e·V + V (V = 10,000, e = 6: 130,012, the size of the StackOverflow-shaped
+    population of the ``small-users`` benchmark, ``benchmark_small_users``)."""
+    return BigramLM(vocab_size, embedding)
+
+
 #: Model factories by name; each returns a freshly initialized module.
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "linear_softmax": linear_softmax,
@@ -301,4 +325,5 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "small_cnn": small_cnn,
     "pair_classifier": pair_classifier,
     "token_lm": token_lm,
+    "bigram_lm": bigram_lm,
 }

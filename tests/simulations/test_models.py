@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fed_dp.simulations.models import (MODELS, barcode_cnn, cifar_cnn, linear_softmax, logistic_1d, pair_classifier,
+from fed_dp.simulations.models import (MODELS, barcode_cnn, bigram_lm, cifar_cnn, linear_softmax, logistic_1d, pair_classifier,
                                       small_cnn, token_lm, w1_cnn)
 
 
@@ -38,6 +38,7 @@ CASES = {
 TEXT_CASES = {
     "pair_classifier": (lambda: pair_classifier(50, 3, 8, 6), (2, 7), (3,), 50 * 8 + _linear(32, 6) + _linear(6, 3)),
     "token_lm": (lambda: token_lm(50, 8, 2, 3), (7,), (7, 50), 50 * 8 + 50 + 2 * (3 * 8 * 8 + 8) + _linear(8, 8)),
+    "bigram_lm": (lambda: bigram_lm(50, 6), (7,), (7, 50), 50 * 6 + 2 * 6 + _linear(6, 50)),
 }
 
 
@@ -77,6 +78,7 @@ def test_text_models_shapes_counts_and_vmapped_gradients(name):
 
 
 def test_documented_text_and_federated_model_sizes():
+    assert _count(bigram_lm(10_000)) == 130_012
     assert _count(small_cnn(62)) == 102_078 and _count(small_cnn(17, 3, 32)) == 39_921
     assert _count(pair_classifier(10_000, 3)) == 656_643 and _count(token_lm(10_000)) == 687_056
 

@@ -235,3 +235,31 @@ def test_sparse_logistic_uses_no_global_rng() -> None:
 def test_sparse_logistic_validation(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         sparse_logistic_1d(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# stackoverflow_like_user
+# ---------------------------------------------------------------------------------------------
+
+
+def test_stackoverflow_like_users_are_deterministic_per_id_and_heavy_tailed() -> None:
+    from fed_dp.simulations.synthetic import stackoverflow_like_user, truncated_zipf
+
+    (first,) = stackoverflow_like_user(7)
+    assert torch.equal(first, stackoverflow_like_user(7)[0])  # the id alone decides
+    assert not torch.equal(first, stackoverflow_like_user(7, seed=1)[0])
+    counts = []
+    for user in range(3000):
+        (tokens,) = stackoverflow_like_user(user, vocabulary=50)
+        assert tokens.dtype == torch.int64 and tokens.shape[1] == 20 and 1 <= tokens.shape[0] <= 64
+        assert 0 <= int(tokens.min()) and int(tokens.max()) < 50
+        counts.append(tokens.shape[0])
+    counts_t = torch.tensor(counts, dtype=torch.float64)
+    weights = 1.0 / torch.arange(1, 65, dtype=torch.float64)  # P(k) ∝ 1/k on 1..64
+    expected_mean = float((torch.arange(1, 65) * weights).sum() / weights.sum())  # 13.5
+    assert abs(float(counts_t.mean()) - expected_mean) < 1.0
+    assert abs(float((counts_t == 1).double().mean()) - float(weights[0] / weights.sum())) < 0.03  # P(1) = 21%
+    assert int(counts_t.max()) == 64
+    cdf = truncated_zipf(4, 2.0)
+    torch.testing.assert_close(cdf, torch.tensor([1, 1.25, 1.25 + 1 / 9, 1.25 + 1 / 9 + 1 / 16],
+                                                 dtype=torch.float64) / (1.25 + 1 / 9 + 1 / 16))

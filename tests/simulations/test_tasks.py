@@ -215,3 +215,27 @@ def test_a_wrong_folder_is_a_clear_error(name, tmp_path):
     with pytest.raises(FileNotFoundError) as error:
         build_task(name, root=str(tmp_path / "empty"), **({"users": 3} if name in SPLIT_TASKS else {}))
     assert str(tmp_path / "empty") in str(error.value) and "Put" in str(error.value) or "Make it" in str(error.value)
+
+
+def test_stackoverflow_like_population_loads_only_the_users_a_round_samples(monkeypatch):
+    """342,477 users, none generated when the task is built; a round of the engine generates exactly its Poisson
+    cohort, each user once; the model is the 130,012-weight bigram LM at V = 10,000."""
+    from fed_dp import PrivacyConfig, train
+    from fed_dp.config import LocalTraining
+    from fed_dp.randomness import derive_seed
+    from fed_dp.sampling import make_sampler
+    from fed_dp.simulations import synthetic
+    from fed_dp.simulations.builtin_tasks import stackoverflow_like_task
+
+    loaded = []
+    generate = synthetic.stackoverflow_like_user
+    monkeypatch.setattr(synthetic, "stackoverflow_like_user", lambda uid, **kw: loaded.append(uid) or generate(uid, **kw))
+    task = build_task("fed_dp.simulations.builtin_tasks:stackoverflow_like_task", vocabulary=40)
+    assert task.num_users == 342_477 and loaded == []
+    privacy = PrivacyConfig(num_users=task.num_users, expected_cohort=6, rounds=1, noise_multiplier=1.0, delta=1e-6,
+                            accountant="rdp")
+    train(task, privacy, "dp-fedavg", LocalTraining(steps=1, batch_size=64), seed=3, eval_every=0, device="cpu")
+    cohort = make_sampler(privacy, seed=derive_seed(3, "sampler")).next_cohort().tolist()
+    assert sorted(loaded) == sorted(cohort) and cohort
+    assert torch.equal(task.users[5].fields[0], synthetic.stackoverflow_like_user(5, vocabulary=40)[0])
+    assert sum(p.numel() for p in stackoverflow_like_task(users=3).build_model().parameters()) == 130_012
