@@ -20,7 +20,7 @@ Three workloads, one torch thread, on the CPU:
 What is timed. The engine: whole ``fed_dp.train`` runs (``simulations.engine``, ``training="auto"``: the path
 ``fed_dp.clients.vectorized.contribution`` chooses, ``clients.one_step`` for these one-step users; or the path
 ``--small-users-training`` forces, to compare the paths on the same workloads), and of
-each round its record's ``round_seconds``: from ``begin_round`` (budget check, sampling) through
+each round its record's ``nonprivate_round_seconds``: from ``begin_round`` (budget check, sampling) through
 ``LocalTrainer.contribution`` (loading, local step, clipping and summing of every user) to ``finish_round``
 (validation, noise, DP-AdamBC, the ledger) — everything a round costs. Not timed: building the task, the
 trainer and θ₀, and the ε schedule, which is computed before the run (as in the other sections; the ledger
@@ -353,7 +353,8 @@ def _engine_rounds(task: Task, workload: HeavyTailWorkload | PopulationWorkload,
 def _path(record: dict[str, Any]) -> str:
     """The path a round's record says trained its users (``clients.vectorized.path_metrics``): ``one-step`` when
     some of them trained on it."""
-    return "one-step" if record.get("one_step") else ("vectorized" if record.get("vectorized") else "sequential")
+    return "one-step" if record.get("nonprivate_one_step") else \
+        ("vectorized" if record.get("nonprivate_vectorized") else "sequential")
 
 
 def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: float | None = None,
@@ -366,7 +367,7 @@ def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: fl
         model = task.build_model()
         run, resettable, before = _engine_rounds(task, workload, between=None if direct is None else direct.step,
                                                  max_seconds=max_seconds)
-    engine_seconds = [float(r["round_seconds"]) for r in run.records]
+    engine_seconds = [float(r["nonprivate_round_seconds"]) for r in run.records]
     users = [int(r["nonprivate_cohort_size"]) for r in run.records]
     result: dict[str, Any] = {
         "name": workload.name, "label": workload.label(), "population": task.num_users,
