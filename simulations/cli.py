@@ -188,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="confidence of the lower bound and of the mechanism test (default 0.95)")
     audit.add_argument("--threat-model", choices=("final-model", "all-iterates", "both"), default="both")
     audit.add_argument("--with-training", action="store_true",
-                       help="the real users train too (lower bound and estimate only: the training's drift hides "
-                       "the canaries on the shipped configs, and the test's law does not hold)")
+                       help="the real users train too (lower bound and estimate only: the users' updates enter the "
+                       "noisy sums with a law the test cannot know; on the main job the training's drift hides the "
+                       "canaries)")
     audit.add_argument("--mechanism-only", action="store_true",
                        help="real users send zero updates: the mechanism without the training's drift (the default)")
     audit.add_argument("--noise-scale", type=float, default=1.0, metavar="S",
