@@ -157,7 +157,8 @@ def regression(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def _regression_terms(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per example: (Σ of its squared errors, its number of targets)."""
-    errors = F.mse_loss(*_outputs_and_targets(model, batch), reduction="none").flatten(1)
+    errors = F.mse_loss(*_outputs_and_targets(model, batch), reduction="none")
+    errors = errors.reshape(errors.shape[0], -1)  # (b,) targets: one error per example
     return errors.sum(1), torch.full_like(errors[:, 0], errors.shape[1])
 
 

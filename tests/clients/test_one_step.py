@@ -79,6 +79,8 @@ CASES = {
                          classification),
     "regression": (lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
                    lambda m, g: (torch.randn(m, 4, generator=g), torch.randn(m, 2, generator=g)), regression),
+    "regression, one target": (lambda: nn.Linear(4, 1),
+                               lambda m, g: (torch.randn(m, 4, generator=g), torch.randn(m, generator=g)), regression),
     "multi-label": (lambda: nn.Linear(4, 3),
                     lambda m, g: (torch.randn(m, 4, generator=g), (torch.rand(m, 3, generator=g) > 0.5).float()),
                     multi_label),
@@ -258,11 +260,12 @@ def test_a_non_finite_loss_names_the_user():
 @pytest.mark.parametrize("loss, data", [
     (classification, lambda g: (torch.randn(3, 4, generator=g), torch.randint(0, 3, (3,), generator=g))),
     (regression, lambda g: (torch.randn(3, 4, generator=g), torch.randn(3, 3, generator=g))),
+    (regression, lambda g: (torch.randn(3, 4, generator=g), torch.randn(3, generator=g))),  # (b,) targets
     (multi_label, lambda g: (torch.randn(3, 4, generator=g), (torch.rand(3, 3, generator=g) > 0.5).float())),
 ])
 def test_per_example_terms_add_up_to_each_loss(loss, data):
-    model = nn.Linear(4, 3)
     batch = data(torch.Generator().manual_seed(0))
+    model = nn.Linear(4, 1 if loss is regression and batch[1].ndim == 1 else 3)
     a, b = loss.per_example(model, batch)
     assert a.shape == b.shape == (3,)
     torch.testing.assert_close(a.sum() / b.sum().clamp(min=1), loss(model, batch))
