@@ -332,18 +332,22 @@ class _Rows(_PerUser):
 
 # --- each layer type's per-user gradients from one call's input and output gradient ----------------------------
 
-def _positions(t: torch.Tensor, users: int, features_last: bool = True) -> torch.Tensor:
+def _positions(t: torch.Tensor, users: int) -> torch.Tensor:
     """(C·m, *, f) → (C, m·P, f): every user's examples and positions as rows."""
     return t.reshape(users, -1, t.shape[-1])
 
 
-def _linear(call: _Call, users: int) -> dict[str, _PerUser]:
-    module = call.module
-    x, d = _positions(call.input, users), _positions(call.grad, users)
+def _weight_and_bias(module: nn.Module, x: torch.Tensor, d: torch.Tensor) -> dict[str, _PerUser]:
+    """A Linear-like layer's per-user gradients from its per-user rows x (C, Q, k) and δ (C, Q, o): the weight's
+    Σ_q δ_q x_qᵀ and the bias's Σ_q δ_q."""
     grads: dict[str, _PerUser] = {"weight": _Outer(x, d)}
     if module.bias is not None:
         grads["bias"] = _Dense(d.sum(1))
     return grads
+
+
+def _linear(call: _Call, users: int) -> dict[str, _PerUser]:
+    return _weight_and_bias(call.module, _positions(call.input, users), _positions(call.grad, users))
 
 
 def _conv(call: _Call, users: int) -> dict[str, _PerUser]:
@@ -360,16 +364,13 @@ def _conv(call: _Call, users: int) -> dict[str, _PerUser]:
     patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (N, k, P)
     xs = _positions(patches.transpose(1, 2), users)  # (C, m·P, k)
     ds = _positions(d.flatten(2).transpose(1, 2), users)  # (C, m·P, o)
-    grads: dict[str, _PerUser] = {"weight": _Outer(xs, ds)}
-    if module.bias is not None:
-        grads["bias"] = _Dense(ds.sum(1))
-    return grads
+    return _weight_and_bias(module, xs, ds)
 
 
 def _embedding(call: _Call, users: int) -> dict[str, _PerUser]:
     module = call.module
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-        raise Unsupported(f"embedding with max_norm, scale_grad_by_freq or sparse gradients")
+        raise Unsupported("embedding with max_norm, scale_grad_by_freq or sparse gradients")
     tokens = call.input.reshape(users, -1)
     d = call.grad.reshape(users, tokens.shape[1], -1)
     owner = torch.arange(users, device=tokens.device).unsqueeze(1).expand_as(tokens)
