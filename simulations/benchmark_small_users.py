@@ -9,8 +9,8 @@ Three workloads, one torch thread, on the CPU:
     noise with σ = 10, DP-AdamBC on the server (lr 0.003, the shipped ``seed003-heavy-tail`` config's).
 ``B`` the paper's size, G = 8, L = 1,024
     The same round with 8,192 users, d = 9,216, c = 255 (2,350,080 weights), plus the peak resident memory.
-    Today's engine takes minutes per round here: ``--small-users-paper-rounds`` sets its rounds (default 1;
-    0 skips it) and ``--small-users-max-seconds`` caps every workload's wall time.
+    A round takes seconds on the one-step path, minutes sequentially: ``--small-users-paper-rounds`` sets its
+    rounds (default 1; 0 skips it) and ``--small-users-max-seconds`` caps every workload's wall time.
 ``C`` a StackOverflow-shaped population
     342,477 users generated when sampled (``builtin_tasks.stackoverflow_like_task``: 1–64 sequences of 20
     tokens, Zipf-distributed counts and tokens, V = 10,000), ``models.bigram_lm`` (Embedding, LayerNorm,
@@ -448,8 +448,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small-users: rounds of workloads A (heavy-tail G = 6, L = 256) and C (StackOverflow-"
                              "shaped) (default 5)")
     parser.add_argument("--small-users-paper-rounds", type=_count_at_least(0), default=1, metavar="R",
-                        help="small-users: rounds of workload B, seed 003's size G = 8, L = 1,024 (minutes per round "
-                             "before a fast path; default 1; 0 skips it)")
+                        help="small-users: rounds of workload B, seed 003's size G = 8, L = 1,024 (seconds per round on "
+                             "the one-step path, minutes on the sequential one; default 1; 0 skips it)")
     parser.add_argument("--small-users-max-seconds", type=_seconds_cap, default=None, metavar="S",
                         help="small-users: end a workload after the round that passes S seconds (at least one "
                              "round runs; default: no cap)")
