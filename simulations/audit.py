@@ -177,11 +177,14 @@ def _accounted_noise_multiplier(privacy: PrivacyConfig, optimizer: ServerOptimiz
 
 def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, local: LocalTraining, *,
               canaries: int = 1000, seed: int = 0, confidence: float = 0.95, noise_scale: float = 1.0,
-              no_noise: bool = False, mechanism_only: bool = False) -> AuditResult:
+              no_noise: bool = False, mechanism_only: bool = False, device: str = "cpu", training: str = "auto",
+              chunk_size: int | None = None) -> AuditResult:
     """Run ``task``'s mechanism once with ``canaries`` candidates and audit it (module docstring). ``no_noise``:
     add no noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs
     one. ``mechanism_only``: the real users are sampled and counted but send zero updates (``fed-dp audit``'s
-    default). ``noise_scale``: add that multiple of the configured noise (the self-test of a broken mechanism)."""
+    default). ``noise_scale``: add that multiple of the configured noise (the self-test of a broken mechanism).
+    ``device``, ``training``, ``chunk_size``: where and how users train (``LocalTrainer``, the config's
+    ``[client]``)."""
     if not (isinstance(canaries, int) and canaries >= 4):
         raise ValueError(f"canaries must be an integer >= 4, got {canaries!r}")
     if not (isinstance(noise_scale, (int, float)) and math.isfinite(noise_scale) and noise_scale >= 0):
@@ -201,7 +204,7 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
                              f"{max(4, layout.size // 2)} or fewer")
         directions = _canary_directions(canaries, layout.size, derive_seed(seed, "canaries"))
         projector = _projector(directions)
-        trainer = LocalTrainer(task, local, device="cpu")
+        trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size)
         state = init_server(privacy, optimizer, params, seed=seed)
         audited = AuditPrivatizer(state.privatizer, noise_scale, projector, privacy.clip_norm)
         state.privatizer = audited
@@ -266,14 +269,20 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
     return result
 
 
+#: ``[server]`` keys of a run configuration that the audit does not act on (it refuses them).
+AUDIT_IGNORED_KEYS = ("server.checkpoint-dir", "server.max-empty-rounds", "server.noise-source")
+
+
 def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, optimizer: str | None = None,
                  task: Task | None = None, mechanism_only: bool = True, noise_scale: float = 1.0) -> AuditResult:
     """Audit a ``fed-dp simulate`` config (tables as read from TOML, ``--set`` applied): its task, privacy,
     local training and seed; its optimizer (``optimizer``, else the config's, else the first of
     ``run.optimizers``). ``privacy.noise-multiplier = 0`` audits the run without noise."""
     from fed_dp.clients.task import build_task
-    from fed_dp.simulations.runner import parse_experiment
+    from fed_dp.simulations.runner import parse_experiment, refuse_keys
 
+    refuse_keys(config, AUDIT_IGNORED_KEYS, "fed-dp audit", "the audit runs its rounds in memory with the seeded "
+                "noise it measures (no checkpoints, no secure noise, no stop on empty rounds)")
     config = json.loads(json.dumps(config))  # a deep copy of plain data
     privacy_table = config.setdefault("privacy", {})
     no_noise = privacy_table.get("noise-multiplier") == 0
@@ -281,15 +290,19 @@ def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, op
         if privacy_table.get("target-epsilon", 0) not in (0, -1):
             raise ValueError("privacy.noise-multiplier = 0 audits a run without noise; leave privacy.target-epsilon out")
         privacy_table["noise-multiplier"] = 1.0  # a placeholder: no noise is added, the accounted ε is ∞
-    experiment = parse_experiment(config)
+    experiment = parse_experiment(config, command="fed-dp audit")
     name = optimizer or next(iter(experiment.runs))
     if name not in experiment.runs:
         raise ValueError(f"optimizer {name!r} is not among the config's {list(experiment.runs)}")
     run = experiment.runs[name]
+    if run.adaptive is not None:
+        raise ValueError("fed-dp audit measures the mechanism with a fixed clip norm; adaptive clipping (its clip "
+                         "bits and moving ζ) is not audited: set adaptive.enabled = false or remove [adaptive]")
     task = task if task is not None else build_task(run.task)
     seed = run.run.seed if run.run.seed is not None else 0
     return run_audit(task, run.privacy, run.optimizer.build(), run.local, canaries=canaries, seed=seed,
-                     confidence=confidence, no_noise=no_noise, mechanism_only=mechanism_only, noise_scale=noise_scale)
+                     confidence=confidence, no_noise=no_noise, mechanism_only=mechanism_only, noise_scale=noise_scale,
+                     device=run.client.device, training=run.client.training, chunk_size=run.client.chunk_size)
 
 
 def _format_test(test: dict[str, Any]) -> str:

@@ -155,3 +155,19 @@ def test_noise_multiplier_zero_only_in_the_audit(capsys):
 def test_a_model_too_small_for_the_canaries_is_refused():
     with pytest.raises(ValueError, match="at least 2 × canaries parameters"):
         run_audit(heavy_tail_task(), PRIVACY, make_optimizer("dp-fedavg"), LOCAL, canaries=1000)
+
+
+@pytest.mark.parametrize("setting, refused", [
+    ('server.checkpoint-dir="ckpt"', "server.checkpoint-dir has no effect in fed-dp audit"),
+    ("server.max-empty-rounds=3", "server.max-empty-rounds has no effect in fed-dp audit"),
+    ('server.noise-source="secure"', "server.noise-source has no effect in fed-dp audit"),
+    ("server.min-nodes=2", "server.min-nodes has no effect in fed-dp audit"),
+    ("adaptive.enabled=true", "adaptive clipping"),
+])
+def test_config_keys_the_audit_does_not_act_on_are_refused(setting, refused, capsys):
+    """Every key either acts in `fed-dp audit` or is refused there with the reason (issue 25, item 6)."""
+    sets = ["--set", "task.dim=100", "--set", "privacy.rounds=1", "--set", "privacy.expected-cohort=10",
+            "--set", "privacy.noise-multiplier=1.0", "--set", setting]
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["audit", "--task", "fed_dp.simulations.builtin_tasks:heavy_tail_task", *sets, "--canaries", "20"])
+    assert stopped.value.code == 2 and refused in capsys.readouterr().err
