@@ -91,9 +91,11 @@ def bundle_folder(app: Path, into: Path) -> Path:
 
 
 def start(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpus: int = 1,
-          app: Path = REPO) -> subprocess.Popen:
+          app: Path = REPO, environment: dict[str, str] | None = None) -> subprocess.Popen:
     """``flwr run . --stream`` of the Flower app folder ``app`` (default: this project's; run from
-    :func:`bundle_folder`) in the background; its output goes to ``home/flwr-run.log``."""
+    :func:`bundle_folder`) in the background; its output goes to ``home/flwr-run.log``. ``environment``: more
+    variables for the Flower processes (the SuperLink and the apps it starts copy them), e.g. the ServerApp's
+    ``FED_DP_SERVER_SEED`` of a research run that must draw the same cohorts and noise as an in-process one."""
     home.mkdir(parents=True, exist_ok=True)
     folder = bundle_folder(app, home / "bundle")
     log = open(home / "flwr-run.log", "ab")
@@ -101,8 +103,8 @@ def start(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpu
                f"num-supernodes={supernodes} client-resources-num-cpus={client_cpus}"]
     if run_config:
         command += ["--run-config", format_run_config(run_config)]
-    return subprocess.Popen(command, cwd=folder, env=flwr_env(home), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(command, cwd=folder, env={**flwr_env(home), **(environment or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -121,11 +123,11 @@ def stop_local_superlink(home: Path) -> None:
 
 
 def run(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpus: int = 1,
-        timeout: float = 240, app: Path = REPO) -> str:
+        timeout: float = 240, app: Path = REPO, environment: dict[str, str] | None = None) -> str:
     """Run to completion and clean up; returns the streamed log. Raises ``TimeoutError`` if not done in time.
 
     ``flwr run --stream`` exits 0 even when the ServerApp fails: callers check the log or the results."""
-    process = start(home, run_config, supernodes, client_cpus=client_cpus, app=app)
+    process = start(home, run_config, supernodes, client_cpus=client_cpus, app=app, environment=environment)
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -300,11 +300,16 @@ def flower_baseline_flwr_run(spec: W1Spec, folder: Path, timeout: float) -> dict
 def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: float) -> dict[str, Any]:
     """One run of the project's ServerApp/ClientApp through ``flwr run`` (simulation engine)."""
     from fed_dp.server import local_simulation
+    from fed_dp.server.app import SERVER_SEED_VARIABLE
 
     stamp = time.time_ns()
     checkpoint = folder / f"fed-dp-flower-{stamp}"
+    # The ServerApp draws the engine's cohorts only from the seed in its own environment (run.seed reaches every
+    # ClientApp, so it never seeds the sampler or the noise of a Flower run).
+    seed = {SERVER_SEED_VARIABLE: str(spec.seed)}
     total, log = _timed(lambda: local_simulation.run(folder / f"flwr-home-{stamp}", spec.run_config(checkpoint),
-                                                     supernodes=spec.users, client_cpus=client_cpus, timeout=timeout))
+                                                     supernodes=spec.users, client_cpus=client_cpus, timeout=timeout,
+                                                     environment=seed))
     results = checkpoint / "results.json"
     records = json.loads(results.read_text()) if results.exists() else []
     if len(records) != spec.rounds:

@@ -8,10 +8,7 @@ run config, which every ClientApp receives, never seeds them.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +19,14 @@ from fed_dp.server.local_simulation import REPO, flwr_env, stop_local_superlink,
 __all__ = ["REPO", "flwr_env", "run", "start", "stop_local_superlink", "wait_for"]
 
 
-@contextlib.contextmanager
-def _server_seed(run_config: dict[str, Any]) -> Iterator[None]:
-    """``FED_DP_SERVER_SEED`` = the config's ``run.seed`` while the Flower processes start (they copy the
-    environment), restored afterwards."""
-    before = os.environ.get(SERVER_SEED_VARIABLE)
-    if "run.seed" in run_config:
-        os.environ[SERVER_SEED_VARIABLE] = str(run_config["run.seed"])
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(SERVER_SEED_VARIABLE, None)
-        else:
-            os.environ[SERVER_SEED_VARIABLE] = before
+def _server_seed(run_config: dict[str, Any]) -> dict[str, str]:
+    """``FED_DP_SERVER_SEED`` = the config's ``run.seed`` for the Flower processes (the ServerApp reads it)."""
+    return {SERVER_SEED_VARIABLE: str(run_config["run.seed"])} if "run.seed" in run_config else {}
 
 
 def start(home: Path, run_config: dict[str, Any], supernodes: int, **options: Any) -> subprocess.Popen:
-    with _server_seed(run_config):
-        return local_simulation.start(home, run_config, supernodes, **options)
+    return local_simulation.start(home, run_config, supernodes, environment=_server_seed(run_config), **options)
 
 
 def run(home: Path, run_config: dict[str, Any], supernodes: int, **options: Any) -> str:
-    with _server_seed(run_config):
-        return local_simulation.run(home, run_config, supernodes, **options)
+    return local_simulation.run(home, run_config, supernodes, environment=_server_seed(run_config), **options)
