@@ -12,7 +12,7 @@ The public API, importable from here (loaded on first use, so ``import fed_dp`` 
 The package is layered; imports point down only (tests/test_architecture.py checks it):
 
     fed_dp.simulations   built-in tasks and datasets, the in-process engine, runner, CLI, plots, benchmark
-    fed_dp.server        the Flower Strategy, the one round loop, membership, the ServerApp
+    fed_dp.server        the Flower Strategy, membership, the ServerApp
     fed_dp.clients       the task interface, losses, local training, the message protocol, the ClientApp
     fed_dp (core)        DP math on flat tensors, no torch.nn and no Flower (the modules below)
 
@@ -33,6 +33,7 @@ Core modules (ALGORITHMS.md):
     diagnostics        ν̂ / ν̂ − Φ̂ summaries and update alignment (the seeds' figures)
     context            simulation vs deployment; non-private baselines only in simulations
     round              the one private round: init_server, begin_round, finish_round (every engine)
+    round_loop         the one round loop of every engine: budget, checkpoints, evaluation, results.json
     checkpoint         atomic checkpoints of the server state and resuming from them
     validation, atomic shared argument checks, atomic file writes
 """

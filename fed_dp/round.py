@@ -262,7 +262,7 @@ def finish_round(
     (post-processing), adaptive clipping's ζ_t and ζ_{t+1} — plus, under ``"nonprivate"``, exact counts that
     are computed from users' data outside any accounted mechanism: ``cohort_size`` (|S_t|), ``replied_users``,
     ``reclipped_replies``, ``unclipped_users`` and, in simulations, ``alignment_ratio``. Engines keep those
-    out of every published record (``fed_dp.server.round_loop``)."""
+    out of every published record (``fed_dp.round_loop``)."""
     if plan is not state.pending:
         raise ValueError(f"plan of round {plan.round + 1} is not the round begun on this server (round "
                          f"{state.round + 1}); call begin_round, then finish_round with its plan, once")

@@ -1,1 +1,1 @@
-"""fed_dp.server: the server of a Flower run — the user-level DP Strategy, its round loop and the ServerApp."""
+"""fed_dp.server: the server of a Flower run — the user-level DP Strategy (over the core's round loop) and the ServerApp."""

@@ -5,7 +5,7 @@
     result = strategy.start(grid=grid, initial_arrays=model_arrays(model), evaluate_fn=centralized_evaluation(task))
     print(result.epsilon)                                       # user-level ε spent, at result.delta
 
-Each round (ALGORITHMS §1) runs through ``fed_dp.round`` in the one round loop (``fed_dp.server.round_loop``):
+Each round (ALGORITHMS §1) runs through ``fed_dp.round`` in the one round loop (``fed_dp.round_loop``):
 fed-dp's sampler picks users (not Flower's node sampling: one node may host many users), every node hosting
 sampled users gets one TRAIN message (``fed_dp.clients.protocol``), replies are read and validated, re-clipped
 to ζ per user, summed without weights, noised, divided by the fixed B, and the server optimizer steps; the
@@ -50,7 +50,7 @@ from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
-from fed_dp.server.round_loop import RoundReplies, run_rounds
+from fed_dp.round_loop import RoundReplies, run_rounds
 
 log = logging.getLogger("fed_dp.server")
 
@@ -344,7 +344,7 @@ class UserLevelDP(Strategy):
         convention), before the first round and every ``evaluate_every`` rounds. Raises
         ``fed_dp.server.membership.NoUsersError`` when no node hosts a user,
         ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes`` stay connected and
-        ``fed_dp.server.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
+        ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
         checkpoint resumable.
         """
         if evaluate_config:

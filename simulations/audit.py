@@ -58,7 +58,7 @@ from fed_dp.randomness import derive_seed
 from fed_dp.sampling import neighboring_relation
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import init_server
-from fed_dp.server.round_loop import RoundReplies, run_rounds
+from fed_dp.round_loop import RoundReplies, run_rounds
 
 THREAT_MODELS = ("final-model", "all-iterates")
 

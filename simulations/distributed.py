@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 examples/distributed_simulation.py     # gloo on CPUs, NCCL on GPUs
 
 Every process builds the same task and trainer; rank 0 runs the one round loop (sampler, noise, optimizer,
-ledger, checkpoints, evaluation: ``fed_dp.server.round_loop.run_rounds``) and the others only train users.
+ledger, checkpoints, evaluation: ``fed_dp.round_loop.run_rounds``) and the others only train users.
 Per round (:func:`exchange_round` on rank 0, :func:`serve_rounds` on the others):
 
     broadcast   header (round, cohort size, ζ_t, whether s_t and Σu² are used), cohort, θ_{t−1}, s_t
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.contribution import Contribution, RoundPlan
-from fed_dp.server.round_loop import RoundReplies
+from fed_dp.round_loop import RoundReplies
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
                           optimizer="dp-adambc", local=LocalTraining(batch_size=16, lr=0.1), seed=0)
     print(result.epsilon, result.records[-1])
 
-It runs the one round loop of every engine (``fed_dp.server.round_loop.run_rounds``: budget, checkpoints,
+It runs the one round loop of every engine (``fed_dp.round_loop.run_rounds``: budget, checkpoints,
 stop conditions, evaluation) with one difference from a Flower run: the plan reaches the users by a function
 call instead of messages. This process acts as one node hosting every user: ``fed_dp.clients.node.LocalTrainer``
 (the class a ClientApp uses) trains the sampled users — without a model per user when their update is one
@@ -42,7 +42,7 @@ from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
-from fed_dp.server.round_loop import RoundReplies, run_rounds
+from fed_dp.round_loop import RoundReplies, run_rounds
 from fed_dp.simulations.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
@@ -119,7 +119,7 @@ def train(
     checkpoint_dir: save every round there and resume from it.
     on_round: called with every round's record; ``progress``: show a progress bar.
     noise_source: ``"torch"`` (seeded: reproducible) or ``"secure"`` (AES-CTR from OS entropy; needs seed=None).
-    on_phase: called at each phase boundary of a round (``fed_dp.server.round_loop.PHASES``).
+    on_phase: called at each phase boundary of a round (``fed_dp.round_loop.PHASES``).
 
     Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
     path that ran as ``vectorized``, all prefixed ``nonprivate_``), the optimizer's diagnostics,

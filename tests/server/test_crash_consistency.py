@@ -29,7 +29,7 @@ from fed_dp.checkpoint import load_checkpoint, read_diagnostics
 from fed_dp.clients import evaluation, losses
 from fed_dp.clients.task import Task, Users
 from fed_dp.config import LocalTraining, PrivacyConfig
-from fed_dp.server.round_loop import PHASES
+from fed_dp.round_loop import PHASES
 from fed_dp.simulations.builtin_tasks import heavy_tail_task
 from fed_dp.simulations.engine import train
 

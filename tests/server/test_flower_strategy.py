@@ -24,7 +24,7 @@ from fed_dp.optimizers import make_optimizer
 from fed_dp.round import Contribution, init_server, begin_round
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
 from fed_dp.server.membership import NoUsersError
-from fed_dp.server.round_loop import NoRepliesError
+from fed_dp.round_loop import NoRepliesError
 from fed_dp.simulations.builtin_tasks import heavy_tail_task
 from fed_dp.simulations.engine import train
 from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)

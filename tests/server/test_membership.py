@@ -25,7 +25,7 @@ from fed_dp.round import begin_round, finish_round, init_server
 from fed_dp.optimizers import make_optimizer
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
 from fed_dp.server.membership import Membership, NoUsersError, NotEnoughNodesError, format_users
-from fed_dp.server.round_loop import NoRepliesError
+from fed_dp.round_loop import NoRepliesError
 from fed_dp.simulations.builtin_tasks import heavy_tail_task
 from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)
 
