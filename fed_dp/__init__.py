@@ -11,7 +11,7 @@ The public API, importable from here (loaded on first use, so ``import fed_dp`` 
 
 The package is layered; imports point down only (tests/test_architecture.py checks it):
 
-    fed_dp.simulations   built-in tasks and datasets, the in-process engine, runner, CLI, plots, benchmark
+    fed_dp.simulations   tasks (built-in tasks, datasets), engine (in-process simulator), experiments, benchmark, CLI
     fed_dp.server        the Flower Strategy, membership, the ServerApp
     fed_dp.clients       the task interface, losses, local training, the message protocol, the ClientApp
     fed_dp (core)        DP math on flat tensors, no torch.nn and no Flower (the modules below)
@@ -63,8 +63,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "epsilon_schedule": ("fed_dp.accounting", "epsilon_schedule"),
     "calibrate_noise_multiplier": ("fed_dp.accounting", "calibrate_noise_multiplier"),
     "resolve_privacy": ("fed_dp.accounting", "resolve_privacy"),
-    "train": ("fed_dp.simulations.engine", "train"),
-    "TrainResult": ("fed_dp.simulations.engine", "TrainResult"),
+    "train": ("fed_dp.simulations.engine.inprocess", "train"),
+    "TrainResult": ("fed_dp.simulations.engine.inprocess", "TrainResult"),
     "UserLevelDP": ("fed_dp.server.flower_strategy", "UserLevelDP"),
     "DPResult": ("fed_dp.server.flower_strategy", "DPResult"),
     "model_arrays": ("fed_dp.server.flower_strategy", "model_arrays"),

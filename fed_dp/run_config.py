@@ -36,20 +36,20 @@ from fed_dp.validation import require as _check
 
 #: Built-in tasks by short name (``task.ref = "heavy-tail"``); any other task is named ``package.module:factory``.
 BUILTIN_TASKS: dict[str, str] = {
-    "heavy-tail": "fed_dp.simulations.builtin_tasks:heavy_tail_task",
-    "heavy-tail-mixture": "fed_dp.simulations.builtin_tasks:heavy_tail_mixture_task",
-    "sparse-logreg-1d": "fed_dp.simulations.builtin_tasks:sparse_logreg_task",
-    "cifar10": "fed_dp.simulations.builtin_tasks:cifar10_task",
-    "barcode-mnist": "fed_dp.simulations.builtin_tasks:barcode_mnist_task",
-    "w1": "fed_dp.simulations.builtin_tasks:w1_task",
-    "snli": "fed_dp.simulations.builtin_tasks:snli_task",
-    "qnli": "fed_dp.simulations.builtin_tasks:qnli_task",
-    "ptb": "fed_dp.simulations.builtin_tasks:ptb_task",
-    "e2e": "fed_dp.simulations.builtin_tasks:e2e_task",
-    "femnist": "fed_dp.simulations.builtin_tasks:femnist_task",
-    "shakespeare": "fed_dp.simulations.builtin_tasks:shakespeare_task",
-    "stackoverflow": "fed_dp.simulations.builtin_tasks:stackoverflow_task",
-    "flair": "fed_dp.simulations.builtin_tasks:flair_task",
+    "heavy-tail": "fed_dp.simulations.tasks.builtin:heavy_tail_task",
+    "heavy-tail-mixture": "fed_dp.simulations.tasks.builtin:heavy_tail_mixture_task",
+    "sparse-logreg-1d": "fed_dp.simulations.tasks.builtin:sparse_logreg_task",
+    "cifar10": "fed_dp.simulations.tasks.builtin:cifar10_task",
+    "barcode-mnist": "fed_dp.simulations.tasks.builtin:barcode_mnist_task",
+    "w1": "fed_dp.simulations.tasks.builtin:w1_task",
+    "snli": "fed_dp.simulations.tasks.builtin:snli_task",
+    "qnli": "fed_dp.simulations.tasks.builtin:qnli_task",
+    "ptb": "fed_dp.simulations.tasks.builtin:ptb_task",
+    "e2e": "fed_dp.simulations.tasks.builtin:e2e_task",
+    "femnist": "fed_dp.simulations.tasks.builtin:femnist_task",
+    "shakespeare": "fed_dp.simulations.tasks.builtin:shakespeare_task",
+    "stackoverflow": "fed_dp.simulations.tasks.builtin:stackoverflow_task",
+    "flair": "fed_dp.simulations.tasks.builtin:flair_task",
 }
 
 TRAINING_PATHS = ("auto", "vectorized", "sequential")

@@ -279,7 +279,7 @@ def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, op
     local training and seed; its optimizer (``optimizer``, else the config's, else the first of
     ``run.optimizers``). ``privacy.noise-multiplier = 0`` audits the run without noise."""
     from fed_dp.clients.task import build_task
-    from fed_dp.simulations.runner import parse_experiment, refuse_keys
+    from fed_dp.simulations.experiments.runner import parse_experiment, refuse_keys
 
     refuse_keys(config, AUDIT_IGNORED_KEYS, "fed-dp audit", "the audit runs its rounds in memory with the seeded "
                 "noise it measures (no checkpoints, no secure noise, no stop on empty rounds)")

@@ -7,7 +7,7 @@
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu,small-users] [--no-flower] [--out DIR] [--smoke]
 
 Under ``torchrun`` (``torchrun --nproc_per_node 2 $(which fed-dp) simulate ...``) ``simulate`` and ``compare``
-spread every round's cohort over the processes (``fed_dp.simulations.distributed``); rank 0 reports and writes.
+spread every round's cohort over the processes (``fed_dp.simulations.engine.distributed``); rank 0 reports and writes.
 
 ``fed-dp simulate`` with no arguments runs the built-in default, the main job (``configs/main-job.toml``):
 DP-FedAvg, DP-SGDM, DP-Adam, DP-AdamBC and scale-then-privatize on 14,336 users of a heavy-tailed synthetic
@@ -33,8 +33,8 @@ def _out_dir(args: argparse.Namespace, config_name: str) -> Path:
 
 
 def _run_simulation(args: argparse.Namespace) -> None:
-    from fed_dp.simulations.plots import plot_all
-    from fed_dp.simulations.runner import DEFAULT_CONFIG, format_table, read_results, run_experiment
+    from fed_dp.simulations.experiments.plots import plot_all
+    from fed_dp.simulations.experiments.runner import DEFAULT_CONFIG, format_table, read_results, run_experiment
 
     # A task of the user's own starts from the run configuration's defaults unless a config is named too: the
     # built-in default config is for its own task.
@@ -64,11 +64,11 @@ def _run_simulation(args: argparse.Namespace) -> None:
 
 
 def _join_torchrun(config: dict):
-    """Under ``torchrun``, this process's place in a new process group (``fed_dp.simulations.distributed``):
+    """Under ``torchrun``, this process's place in a new process group (``fed_dp.simulations.engine.distributed``):
     every rank trains a share of each cohort, rank 0 runs the round loop. None when run as one process."""
     from fed_dp.clients.training import resolve_device
-    from fed_dp.simulations.distributed import join_from_environment
-    from fed_dp.simulations.runner import parse_experiment
+    from fed_dp.simulations.engine.distributed import join_from_environment
+    from fed_dp.simulations.experiments.runner import parse_experiment
 
     return join_from_environment(resolve_device(parse_experiment(config).base.client.device))
 
@@ -76,7 +76,7 @@ def _join_torchrun(config: dict):
 def _simulation_config(args: argparse.Namespace) -> dict:
     """The config of ``simulate``/``compare``/``audit``: a named or built-in config, or with ``--task`` the run
     configuration's defaults and the user's task (importable from the current folder); then ``--set``."""
-    from fed_dp.simulations.runner import apply_overrides, load_config
+    from fed_dp.simulations.experiments.runner import apply_overrides, load_config
 
     if args.config_option:
         if args.config and args.config != args.config_option:
@@ -117,8 +117,8 @@ def _run_audit(args: argparse.Namespace) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> None:
-    from fed_dp.simulations.plots import plot_all
-    from fed_dp.simulations.runner import read_results
+    from fed_dp.simulations.experiments.plots import plot_all
+    from fed_dp.simulations.experiments.runner import read_results
 
     results = {}
     for folder in args.folders:
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
         description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "
-        "min-max and ratios (see simulations/benchmark.py).",
+        "min-max and ratios (see simulations/benchmark/command.py).",
     )
     _benchmark_arguments(benchmark)
     benchmark.set_defaults(run=_run_benchmark)
@@ -246,13 +246,13 @@ def _run_node_service(args: argparse.Namespace) -> int:
 
 
 def _benchmark_arguments(parser: argparse.ArgumentParser) -> None:
-    from fed_dp.simulations.benchmark import build_parser as benchmark_parser
+    from fed_dp.simulations.benchmark.command import build_parser as benchmark_parser
 
     benchmark_parser(parser)
 
 
 def _run_benchmark(args: argparse.Namespace) -> None:
-    from fed_dp.simulations.benchmark import run
+    from fed_dp.simulations.benchmark.command import run
 
     run(args)
 

@@ -12,7 +12,7 @@ from torch import nn
 from fed_dp.clients import losses
 from fed_dp.clients.task import Examples, Task, Users, load_task
 from fed_dp.config import LocalTraining, PrivacyConfig
-from fed_dp.simulations.engine import train
+from fed_dp.simulations.engine.inprocess import train
 
 
 def test_examples_from_tuples_dicts_tensors_arrays_and_datasets():
@@ -121,14 +121,14 @@ def test_the_losses_check_targets_and_outputs():
 
 
 def test_task_references_load_with_clear_errors():
-    task = load_task("fed_dp.simulations.builtin_tasks:heavy_tail_task", {"users": 10})
+    task = load_task("fed_dp.simulations.tasks.builtin:heavy_tail_task", {"users": 10})
     assert isinstance(task, Task) and task.num_users == 10
     with pytest.raises(ValueError, match="package.module:factory"):
         load_task("heavy_tail_task")
     with pytest.raises(ValueError, match="does not import"):
         load_task("nowhere_to_be_found:make")
     with pytest.raises(ValueError, match="returned a W1CNN; it must return a fed_dp.Task"):
-        load_task("fed_dp.simulations.models:w1_cnn")
+        load_task("fed_dp.simulations.tasks.models:w1_cnn")
 
 
 def test_held_out_evaluation_weights_batches_by_their_size():

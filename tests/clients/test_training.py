@@ -13,7 +13,7 @@ from fed_dp.clients import training as seq
 from fed_dp.clients.task import Examples
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
-from fed_dp.simulations.models import w1_cnn
+from fed_dp.simulations.tasks.models import w1_cnn
 
 
 def _layout(model: nn.Module) -> tuple[ParamLayout, torch.Tensor]:

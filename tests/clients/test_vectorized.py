@@ -22,8 +22,8 @@ from fed_dp.clients import vectorized as vec
 from fed_dp.clients.task import Examples
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
-from fed_dp.simulations.models import linear_softmax, w1_cnn
-from fed_dp.simulations.synthetic import heavy_tail_data
+from fed_dp.simulations.tasks.models import linear_softmax, w1_cnn
+from fed_dp.simulations.tasks.synthetic import heavy_tail_data
 
 
 def UserData(x: torch.Tensor, y: torch.Tensor) -> Examples:  # noqa: N802 - one user's (inputs, labels)

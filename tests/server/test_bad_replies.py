@@ -18,7 +18,7 @@ from fed_dp.clients.task import initial_model
 from fed_dp.config import PrivacyConfig
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
 from fed_dp.server.membership import NoUsersError
-from fed_dp.simulations.builtin_tasks import heavy_tail_task
+from fed_dp.simulations.tasks.builtin import heavy_tail_task
 
 HERE = Path(__file__).resolve().parent
 PRIVACY = PrivacyConfig(num_users=40, expected_cohort=10, rounds=1, noise_multiplier=1e-9, delta=1e-5,

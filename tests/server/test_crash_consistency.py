@@ -30,8 +30,8 @@ from fed_dp.clients import evaluation, losses
 from fed_dp.clients.task import Task, Users
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.round_loop import PHASES
-from fed_dp.simulations.builtin_tasks import heavy_tail_task
-from fed_dp.simulations.engine import train
+from fed_dp.simulations.tasks.builtin import heavy_tail_task
+from fed_dp.simulations.engine.inprocess import train
 
 PRIVACY = PrivacyConfig(expected_cohort=10, rounds=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
 LOCAL = LocalTraining(batch_size=2, lr=0.5)
@@ -40,8 +40,8 @@ KILLED_ROUND = 1  # the second round: a checkpoint of round 1 exists, and a roun
 CHILD = textwrap.dedent('''
     import os, signal, sys
     from fed_dp.config import LocalTraining, PrivacyConfig
-    from fed_dp.simulations.builtin_tasks import heavy_tail_task
-    from fed_dp.simulations.engine import train
+    from fed_dp.simulations.tasks.builtin import heavy_tail_task
+    from fed_dp.simulations.engine.inprocess import train
 
     folder, phase, round_index, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 

@@ -16,7 +16,7 @@ from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients.task import build_task
 from fed_dp.config import LocalTraining
 from fed_dp.run_config import RunConfig
-from fed_dp.simulations.engine import train
+from fed_dp.simulations.engine.inprocess import train
 
 RUN = {"run.seed": 7, "privacy.rounds": 3, "task.users": 40}
 

@@ -25,8 +25,8 @@ from fed_dp.round import Contribution, init_server, begin_round
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
 from fed_dp.server.membership import NoUsersError
 from fed_dp.round_loop import NoRepliesError
-from fed_dp.simulations.builtin_tasks import heavy_tail_task
-from fed_dp.simulations.engine import train
+from fed_dp.simulations.tasks.builtin import heavy_tail_task
+from fed_dp.simulations.engine.inprocess import train
 from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)
 
 TASK = heavy_tail_task()  # 40 users, a linear model (d = 64·7)

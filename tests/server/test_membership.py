@@ -26,7 +26,7 @@ from fed_dp.optimizers import make_optimizer
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
 from fed_dp.server.membership import Membership, NoUsersError, NotEnoughNodesError, format_users
 from fed_dp.round_loop import NoRepliesError
-from fed_dp.simulations.builtin_tasks import heavy_tail_task
+from fed_dp.simulations.tasks.builtin import heavy_tail_task
 from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)
 
 TASK = heavy_tail_task()  # 40 users

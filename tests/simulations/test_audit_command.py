@@ -14,7 +14,7 @@ import pytest
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import make_optimizer
 from fed_dp.simulations.audit import run_audit
-from fed_dp.simulations.builtin_tasks import heavy_tail_task
+from fed_dp.simulations.tasks.builtin import heavy_tail_task
 from fed_dp.simulations.cli import main as cli_main
 
 TASK = heavy_tail_task(dim=600)  # d = 600 · 7 = 4,200 parameters: room for 1,000 canary directions
@@ -123,7 +123,7 @@ def test_the_canaries_are_orthonormal():
 def test_the_command_prints_one_json_object_per_threat_model(tmp_path, capsys):
     sets = ["task.dim=100", "task.users=40", "privacy.expected-cohort=20", "privacy.rounds=2",
             'privacy.accountant="rdp"', "privacy.target-epsilon=4.0"]
-    args = ["audit", "--task", "fed_dp.simulations.builtin_tasks:heavy_tail_task", "--canaries", "100", "--json",
+    args = ["audit", "--task", "fed_dp.simulations.tasks.builtin:heavy_tail_task", "--canaries", "100", "--json",
             "--out", str(tmp_path)] + [a for s in sets for a in ("--set", s)]
     assert cli_main(args) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -139,7 +139,7 @@ def test_the_command_prints_one_json_object_per_threat_model(tmp_path, capsys):
 def test_noise_multiplier_zero_only_in_the_audit(capsys):
     sets = ["--set", "privacy.noise-multiplier=0", "--set", "task.dim=100", "--set", "privacy.rounds=1",
             "--set", "privacy.expected-cohort=10", "--set", 'privacy.accountant="rdp"']
-    task = ["--task", "fed_dp.simulations.builtin_tasks:heavy_tail_task"]
+    task = ["--task", "fed_dp.simulations.tasks.builtin:heavy_tail_task"]
     with pytest.raises(SystemExit) as refused:
         cli_main(["simulate", *task, *sets, "--quiet", "--no-plot"])
     assert refused.value.code == 2 and "only `fed-dp audit` takes 0" in capsys.readouterr().err
@@ -169,5 +169,5 @@ def test_config_keys_the_audit_does_not_act_on_are_refused(setting, refused, cap
     sets = ["--set", "task.dim=100", "--set", "privacy.rounds=1", "--set", "privacy.expected-cohort=10",
             "--set", "privacy.noise-multiplier=1.0", "--set", setting]
     with pytest.raises(SystemExit) as stopped:
-        cli_main(["audit", "--task", "fed_dp.simulations.builtin_tasks:heavy_tail_task", *sets, "--canaries", "20"])
+        cli_main(["audit", "--task", "fed_dp.simulations.tasks.builtin:heavy_tail_task", *sets, "--canaries", "20"])
     assert stopped.value.code == 2 and refused in capsys.readouterr().err

@@ -14,9 +14,9 @@ import pytest
 
 from fed_dp.accounting import epsilon
 from fed_dp.run_config import RunConfig, flower_defaults
-from fed_dp.simulations import benchmark
+from fed_dp.simulations.benchmark import command as benchmark
 from fed_dp.simulations.cli import main as cli_main
-from fed_dp.simulations.flower_baseline import BaselineConfig
+from fed_dp.simulations.benchmark.flower_baseline import BaselineConfig
 
 
 def test_summarize_is_median_min_max():
@@ -109,7 +109,7 @@ def test_the_flower_baseline_app_reads_every_w1_field_from_its_run_config():
     import tomllib
     from dataclasses import fields
 
-    from fed_dp.simulations.flower_baseline import APP, _config
+    from fed_dp.simulations.benchmark.flower_baseline import APP, _config
 
     config = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert {key.replace("-", "_") for key in config} == {f.name for f in fields(BaselineConfig)}

@@ -12,8 +12,8 @@ import torch
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.config import LocalTraining
 from fed_dp.optimizers import RoundRelease, make_optimizer
-from fed_dp.simulations import benchmark_small_users as small
-from fed_dp.simulations.builtin_tasks import heavy_tail_task
+from fed_dp.simulations.benchmark import small_users as small
+from fed_dp.simulations.tasks.builtin import heavy_tail_task
 from fed_dp.simulations.cli import main as cli_main
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fed_dp.simulations.datasets import (
+from fed_dp.simulations.tasks.datasets import (
     BARCODE_MNIST_GROUPS,
     barcode_mnist_class_sizes,
     load_cifar10,
@@ -287,7 +287,7 @@ def test_barcode_mnist_rejects_impossible_requests():
 
 from data_fixtures import E2E_ROWS, PTB_LINES, QNLI_ROWS, SNLI_ROWS, write_e2e, write_ptb, write_qnli, write_snli  # noqa: E402
 
-from fed_dp.simulations.datasets import QNLI_LABELS, SNLI_LABELS, load_e2e, load_ptb, load_qnli, load_snli  # noqa: E402
+from fed_dp.simulations.tasks.datasets import QNLI_LABELS, SNLI_LABELS, load_e2e, load_ptb, load_qnli, load_snli  # noqa: E402
 
 
 def test_snli_reads_every_labelled_pair_and_leaves_out_no_consensus(tmp_path):

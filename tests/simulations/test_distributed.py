@@ -14,7 +14,7 @@ import pytest
 import torch
 from distributed_run import run
 
-from fed_dp.simulations.distributed import current_workers
+from fed_dp.simulations.engine.distributed import current_workers
 
 SCRIPT = Path(__file__).with_name("distributed_run.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
 from fed_dp.randomness import derive_seed
-from fed_dp.simulations.engine import train
+from fed_dp.simulations.engine.inprocess import train
 
 
 def _task(num_users: int = 40, dim: int = 6, seed: int = 0) -> Task:

@@ -10,7 +10,7 @@ import torch
 
 from data_fixtures import FLAIR_LABELS, STACKOVERFLOW_CLIENTS, write_femnist, write_flair, write_shakespeare, write_stackoverflow
 
-from fed_dp.simulations import federated_datasets as fd
+from fed_dp.simulations.tasks import federated_datasets as fd
 
 
 def test_leaf_reads_every_user_of_every_file_in_order(tmp_path):

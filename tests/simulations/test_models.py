@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fed_dp.simulations.models import (MODELS, barcode_cnn, bigram_lm, cifar_cnn, linear_softmax, logistic_1d, pair_classifier,
+from fed_dp.simulations.tasks.models import (MODELS, barcode_cnn, bigram_lm, cifar_cnn, linear_softmax, logistic_1d, pair_classifier,
                                       small_cnn, token_lm, w1_cnn)
 
 

@@ -1,4 +1,4 @@
-"""Tests of simulations.partitioning: user partitions built with flwr-datasets partitioners."""
+"""Tests of simulations.tasks.partitioning: user partitions built with flwr-datasets partitioners."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fed_dp.simulations.partitioning import SCHEMES, partition, partition_sizes, power_law_sizes
+from fed_dp.simulations.tasks.partitioning import SCHEMES, partition, partition_sizes, power_law_sizes
 
 N_EXAMPLES = 2000
 N_CLASSES = 10

@@ -9,7 +9,7 @@ import torch
 
 from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.simulations.cli import main
-from fed_dp.simulations.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
+from fed_dp.simulations.experiments.runner import apply_overrides, format_table, load_config, parse_experiment, read_results, run_experiment
 
 TINY = [
     "task.groups=2", "task.largest=8", "task.users=16", "task.held-out=4",

@@ -1,4 +1,4 @@
-"""Tests of simulations.synthetic: the heavy-tail task (seed 003 §3) and sparse 1-D logistic data."""
+"""Tests of simulations.tasks.synthetic: the heavy-tail task (seed 003 §3) and sparse 1-D logistic data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fed_dp.simulations.synthetic import (
+from fed_dp.simulations.tasks.synthetic import (
     SPARSE_LOGISTIC_TRUE_WEIGHT,
     heavy_tail_class_sizes,
     heavy_tail_data,
@@ -243,7 +243,7 @@ def test_sparse_logistic_validation(kwargs: dict, name: str) -> None:
 
 
 def test_stackoverflow_like_users_are_deterministic_per_id_and_heavy_tailed() -> None:
-    from fed_dp.simulations.synthetic import stackoverflow_like_user, truncated_zipf
+    from fed_dp.simulations.tasks.synthetic import stackoverflow_like_user, truncated_zipf
 
     (first,) = stackoverflow_like_user(7)
     assert torch.equal(first, stackoverflow_like_user(7)[0])  # the id alone decides

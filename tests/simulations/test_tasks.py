@@ -12,8 +12,8 @@ import torch
 
 from fed_dp.clients.task import load_task
 from fed_dp.run_config import BUILTIN_TASKS
-from fed_dp.simulations.builtin_tasks import label_counts
-from fed_dp.simulations.synthetic import heavy_tail_class_sizes
+from fed_dp.simulations.tasks.builtin import label_counts
+from fed_dp.simulations.tasks.synthetic import heavy_tail_class_sizes
 
 
 def build_task(name: str, **options):
@@ -101,7 +101,7 @@ def test_unknown_task_or_parameter_is_a_clear_error():
     with pytest.raises(ValueError, match="does not import"):
         build_task("no_such_package.tasks:imagenet")
     with pytest.raises(ValueError, match="has no attribute"):
-        build_task("fed_dp.simulations.builtin_tasks:imagenet")
+        build_task("fed_dp.simulations.tasks.builtin:imagenet")
     with pytest.raises(ValueError, match="does not take colour; it takes groups"):
         build_task("heavy-tail", colour=3)
 
@@ -109,7 +109,7 @@ def test_unknown_task_or_parameter_is_a_clear_error():
 def test_sparse_task_has_held_out_data_of_the_same_law():
     task = build_task("sparse-logreg-1d", num_examples=200, users=50, seed=3)
     _assert_users_partition(task, 200)
-    from fed_dp.simulations.synthetic import sparse_logistic_1d
+    from fed_dp.simulations.tasks.synthetic import sparse_logistic_1d
 
     x_eval, y_eval = sparse_logistic_1d(num_examples=200, seed=4)  # held out: the next seed, same law
     model = task.build_model()
@@ -144,7 +144,7 @@ def test_w1_task_is_benchmarks_md_w1():
 
 import data_fixtures  # noqa: E402
 
-from fed_dp.simulations import text  # noqa: E402
+from fed_dp.simulations.tasks import text  # noqa: E402
 
 SPLIT_TASKS = ("snli", "qnli", "ptb", "e2e")  # dealt to users by a partitioner
 NATURAL_TASKS = ("femnist", "shakespeare", "stackoverflow", "flair")  # users from the data
@@ -224,13 +224,13 @@ def test_stackoverflow_like_population_loads_only_the_users_a_round_samples(monk
     from fed_dp.config import LocalTraining
     from fed_dp.randomness import derive_seed
     from fed_dp.sampling import make_sampler
-    from fed_dp.simulations import synthetic
-    from fed_dp.simulations.builtin_tasks import stackoverflow_like_task
+    from fed_dp.simulations.tasks import synthetic
+    from fed_dp.simulations.tasks.builtin import stackoverflow_like_task
 
     loaded = []
     generate = synthetic.stackoverflow_like_user
     monkeypatch.setattr(synthetic, "stackoverflow_like_user", lambda uid, **kw: loaded.append(uid) or generate(uid, **kw))
-    task = build_task("fed_dp.simulations.builtin_tasks:stackoverflow_like_task", vocabulary=40)
+    task = build_task("fed_dp.simulations.tasks.builtin:stackoverflow_like_task", vocabulary=40)
     assert task.num_users == 342_477 and loaded == []
     privacy = PrivacyConfig(num_users=task.num_users, expected_cohort=6, rounds=1, noise_multiplier=1.0, delta=1e-6,
                             accountant="rdp")

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from fed_dp.simulations.text import SPECIALS, Vocabulary, pad, target_mask, windows, words
+from fed_dp.simulations.tasks.text import SPECIALS, Vocabulary, pad, target_mask, windows, words
 
 
 def test_words_lower_cases_and_splits_punctuation():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from fed_dp.simulations.runner import apply_overrides, load_config
-from fed_dp.simulations.tune import best, grid_for, main, tune
+from fed_dp.simulations.experiments.runner import apply_overrides, load_config
+from fed_dp.simulations.experiments.tune import best, grid_for, main, tune
 
 TINY = ["task.groups=2", "task.largest=8", "task.users=16", "task.held-out=4", "privacy.expected-cohort=4",
         "privacy.rounds=2", "run.eval-every=1", 'run.optimizers=["dp-sgdm","dp-adam"]']

@@ -3,7 +3,7 @@
 Three workloads, one torch thread, on the CPU:
 
 ``A`` seed 003 §3 heavy-tail, G = 6, L = 256
-    1,536 users of one example each (``builtin_tasks.heavy_tail_task`` with users = n), a linear softmax model
+    1,536 users of one example each (``tasks.builtin.heavy_tail_task`` with users = n), a linear softmax model
     of 1,792 × 63 (112,896 weights), every user every round (sampler ``all``, B = N), one local SGD step at
     lr 1 over the user's examples (``LocalTraining(steps=1, batch_size=64)``), ζ = 1, independent Gaussian
     noise with σ = 10, DP-AdamBC on the server (lr 0.003, the shipped ``seed003-heavy-tail`` config's).
@@ -12,12 +12,12 @@ Three workloads, one torch thread, on the CPU:
     A round takes seconds on the one-step path, minutes sequentially: ``--small-users-paper-rounds`` sets its
     rounds (default 1; 0 skips it) and ``--small-users-max-seconds`` caps every workload's wall time.
 ``C`` a StackOverflow-shaped population
-    342,477 users generated when sampled (``builtin_tasks.stackoverflow_like_task``: 1–64 sequences of 20
+    342,477 users generated when sampled (``tasks.builtin.stackoverflow_like_task``: 1–64 sequences of 20
     tokens, Zipf-distributed counts and tokens, V = 10,000), ``models.bigram_lm`` (Embedding, LayerNorm,
     Linear: 130,012 weights), ``losses.next_token``, Poisson sampling of 1,000 users per round, the same local
     step, clip, noise and optimizer. Reported: seconds per round, milliseconds per user, peak memory.
 
-What is timed. The engine: whole ``fed_dp.train`` runs (``simulations.engine``, ``training="auto"``: the path
+What is timed. The engine: whole ``fed_dp.train`` runs (``simulations.engine.inprocess``, ``training="auto"``: the path
 ``fed_dp.clients.vectorized.contribution`` chooses, ``clients.one_step`` for these one-step users; or the path
 ``--small-users-training`` forces, to compare the paths on the same workloads), and of
 each round its record's ``nonprivate_round_seconds``: from ``begin_round`` (budget check, sampling) through
@@ -56,9 +56,9 @@ from fed_dp.clients.task import Task
 from fed_dp.clipping import clip_factor
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import Adam, make_optimizer
-from fed_dp.simulations import engine
-from fed_dp.simulations.benchmark import _table, _timed, summarize, torch_threads
-from fed_dp.simulations.builtin_tasks import STACKOVERFLOW_USERS, heavy_tail_task, stackoverflow_like_task
+from fed_dp.simulations.engine import inprocess as engine
+from fed_dp.simulations.benchmark.command import _table, _timed, summarize, torch_threads
+from fed_dp.simulations.tasks.builtin import STACKOVERFLOW_USERS, heavy_tail_task, stackoverflow_like_task
 from fed_dp.validation import check_int, check_positive
 
 __all__ = ["AdamBCState", "DirectLinearRound", "HeavyTailWorkload", "PopulationWorkload", "add_arguments",

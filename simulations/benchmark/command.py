@@ -12,7 +12,7 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     - ``flower-dp``: Flower's ``DifferentialPrivacyServerSideFixedClipping(FedAvg)`` through
       ``run_simulation`` (``simulations.flower_baseline``), Flower's default 2 CPUs per ClientApp;
     - ``flower-dp-1cpu``: the same with 1 CPU per ClientApp (two workers on two cores);
-    - ``flower-dp-flwr-run``: the same apps launched with ``flwr run`` (``simulations/flower_baseline_app``),
+    - ``flower-dp-flwr-run``: the same apps launched with ``flwr run`` (``simulations/benchmark/flower_baseline_app``),
       one virtual SuperNode per user, 1 CPU per ClientApp: the project's Flower apps' launcher, so that
       ``fed-dp-flower`` against it compares the apps and against ``flower-dp`` the whole experience;
     - ``fed-dp-flower``: the project's ServerApp/ClientApp through ``flwr run`` (Flower's simulation
@@ -50,7 +50,7 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     app: one W1-sized array to every node and back) and of the project's apps with a trivial local step, without
     and with a node service beside each SuperNode, side by side (:func:`bench_deployment`).
 ``small-users``
-    Many users with little data each, one torch thread (``simulations.benchmark_small_users``): seed 003's
+    Many users with little data each, one torch thread (``benchmark.small_users``): seed 003's
     heavy-tail task with one example per user at G = 6, L = 256 and at the paper's G = 8, L = 1,024, the
     engine's rounds against a direct implementation of the same round (closed-form per-example gradients of
     the linear model), alternating, with the ratio of the medians and the peak memory; and a StackOverflow-
@@ -95,10 +95,11 @@ from fed_dp.noise import Privatizer
 from fed_dp.randomness import SecureNormal
 from fed_dp.optimizers import make_optimizer
 from fed_dp.factorization import optimize_toeplitz
-from fed_dp.simulations import engine, models
+from fed_dp.simulations.engine import inprocess as engine
+from fed_dp.simulations.tasks import models
 from fed_dp.clients.task import initial_model
-from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
-from fed_dp.simulations.builtin_tasks import w1_task
+from fed_dp.simulations.benchmark.flower_baseline import BaselineConfig, W1Workload
+from fed_dp.simulations.tasks.builtin import w1_task
 
 SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
@@ -262,7 +263,7 @@ def flower_baseline_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: f
     """One run of Flower's own DP simulation of W1 in a fresh Python process."""
     out = folder / f"flower-{client_cpus}cpu-{time.time_ns()}.json"
     config = spec.baseline(out, client_cpus)
-    args = [sys.executable, "-m", "fed_dp.simulations.flower_baseline"]
+    args = [sys.executable, "-m", "fed_dp.simulations.benchmark.flower_baseline"]
     for key, value in asdict(config).items():
         args += ["--" + key.replace("_", "-"), str(value)]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -283,7 +284,7 @@ def flower_baseline_flwr_run(spec: W1Spec, folder: Path, timeout: float) -> dict
     """One run of Flower's own DP apps of W1 through ``flwr run`` (simulation engine, 1 CPU per ClientApp),
     launched as :func:`project_flower_run` launches the project's."""
     from fed_dp.server import local_simulation
-    from fed_dp.simulations.flower_baseline import APP
+    from fed_dp.simulations.benchmark.flower_baseline import APP
 
     stamp = time.time_ns()
     out = folder / f"flower-flwr-run-{stamp}.json"
@@ -679,7 +680,7 @@ def bench_deployment(nodes: int, rounds: int, folder: Path, log=print) -> dict[s
     one local step on one example (``privacy.sampler = "all"``, ``local.steps = 1``, ``local.max-examples = 1``).
     Medians of the rounds after the first (the first also installs the app bundle on every node)."""
     from fed_dp.server.local_deployment import deployment
-    from fed_dp.simulations.flower_echo import APP
+    from fed_dp.simulations.benchmark.flower_echo import APP
 
     def start(d, service: bool) -> None:
         d.start_superlink()
@@ -789,7 +790,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes, one run: checks that every section works (seconds, not a measurement)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one Flower run (default 600)")
-    from fed_dp.simulations.benchmark_small_users import add_arguments as small_users_arguments
+    from fed_dp.simulations.benchmark.small_users import add_arguments as small_users_arguments
 
     small_users_arguments(parser)
     return parser
@@ -858,7 +859,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
             results["deployment"] = bench_deployment(nodes, rounds, Path(folder), log=log)
         section("deployment rounds", format_deployment(results["deployment"]))
     if "small-users" in sections:
-        from fed_dp.simulations import benchmark_small_users
+        from fed_dp.simulations.benchmark import small_users as benchmark_small_users
 
         log("measuring many small users ...")
         results["small-users"] = benchmark_small_users.run_section(args, log=log)

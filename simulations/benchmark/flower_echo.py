@@ -4,7 +4,7 @@ connected node per round and a ClientApp that sends it back, nothing else (no to
 ``fed-dp benchmark --only deployment`` runs it on the same SuperLink and SuperNodes as the project's apps, so
 the project's round overhead is read against what Flower itself costs per round. Run config: ``rounds`` and
 ``out`` (where the ServerApp writes ``{"round_seconds": [...], "nodes": n}``); the Flower app folder is
-``simulations/flower_echo_app``.
+``simulations/benchmark/flower_echo_app``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each is an ordinary :class:`fed_dp.Task` (model factory, users, loss, evaluation), built by a factory that a run
 config names by its short name (``task.ref = "heavy-tail"``) or by reference
-(``fed_dp.simulations.builtin_tasks:heavy_tail_task``); every other ``[task]`` key is a keyword argument.
+(``fed_dp.simulations.tasks.builtin:heavy_tail_task``); every other ``[task]`` key is a keyword argument.
 
 | name | data | model | evaluated on |
 |---|---|---|---|
@@ -29,8 +29,8 @@ import torch
 
 from fed_dp.clients import evaluation, losses
 from fed_dp.clients.task import Task, Users
-from fed_dp.simulations import datasets, federated_datasets, models, synthetic, text
-from fed_dp.simulations.partitioning import partition
+from fed_dp.simulations.tasks import datasets, federated_datasets, models, synthetic, text
+from fed_dp.simulations.tasks.partitioning import partition
 
 
 def _split_users(x: torch.Tensor, y: torch.Tensor, users: int, scheme: str, seed: int, **kw: Any) -> Users:

@@ -12,7 +12,7 @@ gradient step, else vectorized over users on CUDA and one at a time on the CPU �
 optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical is re-implemented here.
 
 Under ``torchrun`` (an initialized ``torch.distributed`` group of several processes) rank 0 runs the loop and
-every rank trains a share of each cohort (``fed_dp.simulations.distributed``).
+every rank trains a share of each cohort (``fed_dp.simulations.engine.distributed``).
 
 Users train on ``device``; the server round stays on the CPU, and only θ_{t−1} (and s_t) go to the device and
 Σu (and Σu²) come back, one d-vector each per round. In-memory users are moved to the device once per run.
@@ -43,7 +43,7 @@ from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, run_rounds
-from fed_dp.simulations.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
+from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
 

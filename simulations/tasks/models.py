@@ -311,7 +311,7 @@ def bigram_lm(vocab_size: int, embedding: int = 6) -> BigramLM:
     """The smallest next-token model of the layers a per-user fast path handles (Embedding, LayerNorm,
     Linear; no recurrence, no attention): logits(t) = W·LayerNorm(E[token t]) + b, a bigram model of rank e.
     Parameters: V·e + 2e + e·V + V (V = 10,000, e = 6: 130,012, the size of the StackOverflow-shaped
-    population of the ``small-users`` benchmark, ``benchmark_small_users``)."""
+    population of the ``small-users`` benchmark, ``benchmark.small_users``)."""
     return BigramLM(vocab_size, embedding)
 
 

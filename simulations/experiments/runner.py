@@ -35,7 +35,7 @@ from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import OPTIMIZERS
 from fed_dp.randomness import entropy_seed
 from fed_dp.run_config import RunConfig, apply_overrides
-from fed_dp.simulations.engine import train
+from fed_dp.simulations.engine.inprocess import train
 
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
            "read_results", "run_experiment"]

@@ -8,16 +8,16 @@ One virtual SuperNode per user; FedAvg samples ``cohort`` of them per round (fra
 Run by ``flwr.simulation.run_simulation`` (Ray backend), one torch thread per worker, ``client_cpus`` Ray
 CPUs per ClientApp: Flower's default 2 (one worker at a time on a 2-core machine) or 1 (one per core).
 
-Only the data (``simulations.synthetic.w1_user_data``) and the model (``simulations.models.w1_cnn``)
+Only the data (``simulations.tasks.synthetic.w1_user_data``) and the model (``simulations.tasks.models.w1_cnn``)
 are shared with the project, so both sides train the same users on the same network.
 
-    python -m fed_dp.simulations.flower_baseline --out result.json [--users 500 --cohort 50 --rounds 10]
+    python -m fed_dp.simulations.benchmark.flower_baseline --out result.json [--users 500 --cohort 50 --rounds 10]
 
 writes ``{"rounds_seconds": wall time of the rounds (strategy.start), "total_seconds": ..., ...}``.
 ``run_simulation`` gives the apps an empty run config, so the settings reach them (the ServerApp in
 this process, ClientApps in Ray workers) through the environment variable ``FED_DP_FLOWER_BASELINE``.
 
-The same two apps also run under ``flwr run`` (``simulations/flower_baseline_app``, whose run config holds
+The same two apps also run under ``flwr run`` (``simulations/benchmark/flower_baseline_app``, whose run config holds
 the W1 fields, e.g. ``batch-size``), so the benchmark can launch Flower's DP wrapper exactly as it launches the
 project's apps and tell the launcher's cost from the apps'.
 """
@@ -103,8 +103,8 @@ def _apps():
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
     from torch.nn import functional as F
 
-    from fed_dp.simulations.models import w1_cnn
-    from fed_dp.simulations.synthetic import w1_user_data
+    from fed_dp.simulations.tasks.models import w1_cnn
+    from fed_dp.simulations.tasks.synthetic import w1_user_data
 
     server_app, client_app = ServerApp(), ClientApp()
 
@@ -164,7 +164,7 @@ def run(config: BaselineConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fed_dp.simulations.flower_baseline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fed_dp.simulations.benchmark.flower_baseline", description=__doc__.split("\n\n")[0])
     defaults = BaselineConfig()
     for field, value in asdict(defaults).items():
         parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)

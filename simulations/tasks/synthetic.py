@@ -15,7 +15,7 @@ Two generators:
   CIFAR-shaped inputs and labels drawn from a generator seeded with the user id.
 * :func:`stackoverflow_like_user` -- one user of a StackOverflow-shaped population (a heavy-tailed
   number of token sequences), drawn from a generator seeded with the user id, so that a population
-  of 342,477 users can be loaded lazily (``builtin_tasks.stackoverflow_like_task``).
+  of 342,477 users can be loaded lazily (``tasks.builtin.stackoverflow_like_task``).
 
 Neither function touches the global RNG: every draw goes through a private
 ``torch.Generator`` seeded with ``seed``, so a call is reproducible and independent of

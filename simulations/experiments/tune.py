@@ -1,7 +1,7 @@
 """Learning-rate tuning of a config's optimizers on a small grid, on a tuning draw of the data.
 
-    python -m fed_dp.simulations.tune main-job                 # the grid below, tuning seed 1
-    python -m fed_dp.simulations.tune main-job --grid dp-adam=0.001,0.003 --seed 2 --out results/tune
+    python -m fed_dp.simulations.experiments.tune main-job                 # the grid below, tuning seed 1
+    python -m fed_dp.simulations.experiments.tune main-job --grid dp-adam=0.001,0.003 --seed 2 --out results/tune
 
 For every optimizer of the config (``run.optimizers``), each server learning rate of its grid is trained with
 the config's other settings (its ``[optimizers.NAME]`` keys but ``lr``) on a *tuning* instance: the task built
@@ -28,8 +28,8 @@ from typing import Any
 from fed_dp.accounting import resolve_privacy
 from fed_dp.clients.task import build_task
 from fed_dp.run_config import RunConfig, apply_overrides
-from fed_dp.simulations.engine import train
-from fed_dp.simulations.runner import load_config, parse_experiment
+from fed_dp.simulations.engine.inprocess import train
+from fed_dp.simulations.experiments.runner import load_config, parse_experiment
 
 __all__ = ["GRIDS", "best", "grid_for", "main", "tune"]
 
@@ -90,7 +90,7 @@ def tune(config: dict[str, Any], grids: dict[str, tuple[float, ...]] | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fed_dp.simulations.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fed_dp.simulations.experiments.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a TOML config or the name of a built-in config")
     parser.add_argument("--grid", action="append", default=[], metavar="NAME=LR,LR,...",
                         help="learning rates for one optimizer (repeatable; default: GRIDS; NAME= skips it)")

@@ -7,7 +7,7 @@ missing, or :class:`ValueError` naming the file when one is malformed.
 
 The image loaders return ``(train_x, train_y, test_x, test_y)`` with float32 inputs scaled to [0, 1] (pixel / 255,
 no mean/std normalization: normalizing is a modelling choice left to the task builder) and int64 labels; the
-text loaders return every split's raw text (tokenizing is the task's: ``simulations.text``).
+text loaders return every split's raw text (tokenizing is the task's: ``simulations.tasks.text``).
 
 ``make_barcode_mnist`` builds the heavy-tailed Barcode-MNIST of seed 003 (Tang, Zhiyanov & Lécuyer,
 "On the Performance of Differentially Private Optimization with Heavy-Tail Class Imbalance", Appendix B),
