@@ -1,2 +1,3 @@
-"""fed_dp.simulations.benchmark — ``fed-dp benchmark`` (``command``): its sections, the small-users comparison
-(``small_users``), and Flower's own apps it compares with (``flower_baseline``, ``flower_echo``)."""
+"""fed_dp.simulations.benchmark — ``fed-dp benchmark`` (``command``) and one module per section: ``w1``,
+``scaling``, ``noise`` (with secure noise), ``accounting``, ``gpu``, ``deployment``, ``small_users``; ``measure``
+(what they time with), and Flower's own apps they compare with (``flower_baseline``, ``flower_echo``)."""

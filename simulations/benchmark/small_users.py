@@ -57,7 +57,7 @@ from fed_dp.clipping import clip_factor
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import Adam, make_optimizer
 from fed_dp.simulations.engine import inprocess as engine
-from fed_dp.simulations.benchmark.command import _table, _timed, summarize, torch_threads
+from fed_dp.simulations.benchmark.measure import summarize, table, timed, torch_threads
 from fed_dp.simulations.tasks.builtin import STACKOVERFLOW_USERS, heavy_tail_task, stackoverflow_like_task
 from fed_dp.validation import check_int, check_positive
 
@@ -362,7 +362,7 @@ def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: fl
     """One workload, one torch thread: the engine's rounds (interleaved with the direct implementation's for
     the heavy-tail workloads), medians, their ratio, milliseconds per user and the engine's peak memory."""
     with torch_threads(1):
-        setup, task = _timed(workload.task)
+        setup, task = timed(workload.task)
         direct = DirectLinearRound.of_task(task, workload) if isinstance(workload, HeavyTailWorkload) else None
         model = task.build_model()
         run, resettable, before = _engine_rounds(task, workload, between=None if direct is None else direct.step,
@@ -422,7 +422,7 @@ def format_small_users(r: dict[str, Any]) -> str:
              for w in r["workloads"]) else "peak: the process's lifetime resident peak (no per-round reset here)")
     return (f"one torch thread, {r['cores']} cores, load average {r['load_before'][0]:.1f} before and "
             f"{r['load_after'][0]:.1f} after; medians of the rounds, engine and direct rounds alternating; "
-            f"{peaks} (before: resident before the engine started)\n" + _table(header, rows))
+            f"{peaks} (before: resident before the engine started)\n" + table(header, rows))
 
 
 def _count_at_least(minimum: int) -> Callable[[str], int]:

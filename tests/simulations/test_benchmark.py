@@ -14,17 +14,18 @@ import pytest
 
 from fed_dp.accounting import epsilon
 from fed_dp.run_config import RunConfig, flower_defaults
-from fed_dp.simulations.benchmark import command as benchmark
+from fed_dp.simulations.benchmark import gpu, measure
+from fed_dp.simulations.benchmark.w1 import W1Spec
 from fed_dp.simulations.cli import main as cli_main
 from fed_dp.simulations.benchmark.flower_baseline import BaselineConfig
 
 
 def test_summarize_is_median_min_max():
-    assert benchmark.summarize([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "runs": 4}
+    assert measure.summarize([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "runs": 4}
 
 
 def test_w1_spec_is_benchmarks_md_and_flower_runs_the_same_config():
-    spec = benchmark.W1Spec()
+    spec = W1Spec()
     assert (spec.users, spec.cohort, spec.rounds, spec.examples, spec.batch_size, spec.epochs) == (500, 50, 10, 32, 16, 1)
     assert (spec.lr, spec.clip_norm, spec.noise_multiplier) == (0.05, 1.0, 1.0)
     run_config = spec.run_config(checkpoint_dir="/tmp/x")
@@ -56,7 +57,7 @@ def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     assert (out / "benchmark.png").stat().st_size > 0 and "W1 system" in (out / "benchmark.txt").read_text()
 
     w1 = results["w1"]
-    spec = benchmark.W1Spec(**w1["spec"])
+    spec = W1Spec(**w1["spec"])
     systems = w1["systems"]
     assert {"flower-dp", "flower-dp-flwr-run", "fed-dp-flower", "engine", "engine-1thread", "engine-vectorized",
             "plain"} <= set(systems)
@@ -113,7 +114,7 @@ def test_the_flower_baseline_app_reads_every_w1_field_from_its_run_config():
 
     config = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert {key.replace("-", "_") for key in config} == {f.name for f in fields(BaselineConfig)}
-    spec = benchmark.W1Spec.smoke()
+    spec = W1Spec.smoke()
     run_config = {key.replace("_", "-"): value for key, value in asdict(spec.baseline("/tmp/x.json", 1)).items()}
     assert _config(run_config) == spec.baseline("/tmp/x.json", 1)
 
@@ -121,7 +122,7 @@ def test_the_flower_baseline_app_reads_every_w1_field_from_its_run_config():
 def test_the_gpu_section_measures_the_engine_against_the_limit_on_any_device():
     """`--only gpu` runs only with CUDA; its measurement itself runs on the CPU here (tiny sizes): both models,
     the engine's users/s against one model trained on the same examples in both batch sizes."""
-    result = benchmark.bench_gpu(benchmark.W1Spec.smoke(), users=12, cohort=4, rounds=2, device="cpu",
+    result = gpu.bench_gpu(W1Spec.smoke(), users=12, cohort=4, rounds=2, device="cpu",
                                  log=lambda *_: None)
     rows = result["rows"]
     assert [(row["model"], row["parameters"]) for row in rows] == [("w1-cnn", 25_578), ("cifar-cnn", 411_466)]
@@ -130,11 +131,11 @@ def test_the_gpu_section_measures_the_engine_against_the_limit_on_any_device():
             assert row[f"ratio_to_limit_{label}"] == pytest.approx(
                 row["users_per_second"] / row[f"limit_{label}_users_per_second"])
         assert row["engine_seconds"] > 0 and row["peak_gib"] is None and row["h2d_copies_per_round"] is None
-    assert "engine/limit" in benchmark.format_gpu(result) and result["device"] == "cpu"
+    assert "engine/limit" in gpu.format_gpu(result) and result["device"] == "cpu"
 
 
 def test_transfer_summary_counts_host_to_device_copies_and_synchronizations_per_round():
     events = [("Memcpy HtoD (Pageable -> Device)", 30), ("Memcpy HtoD (Pinned -> Device)", 10),
               ("Memcpy DtoH (Device -> Pageable)", 7), ("cudaStreamSynchronize", 8), ("cudaDeviceSynchronize", 2),
               ("aten::add", 100)]
-    assert benchmark.transfer_summary(events, rounds=2) == {"h2d_copies_per_round": 20.0, "syncs_per_round": 5.0}
+    assert gpu.transfer_summary(events, rounds=2) == {"h2d_copies_per_round": 20.0, "syncs_per_round": 5.0}
