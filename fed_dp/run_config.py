@@ -21,6 +21,8 @@ in a Flower run config, which always holds both keys, set ``privacy.noise-multip
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.metadata
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,23 +36,36 @@ from fed_dp.validation import is_int as _integer
 from fed_dp.validation import is_real as _real
 from fed_dp.validation import require as _check
 
-#: Built-in tasks by short name (``task.ref = "heavy-tail"``); any other task is named ``package.module:factory``.
-BUILTIN_TASKS: dict[str, str] = {
-    "heavy-tail": "fed_dp.simulations.tasks.builtin:heavy_tail_task",
-    "heavy-tail-mixture": "fed_dp.simulations.tasks.builtin:heavy_tail_mixture_task",
-    "sparse-logreg-1d": "fed_dp.simulations.tasks.builtin:sparse_logreg_task",
-    "cifar10": "fed_dp.simulations.tasks.builtin:cifar10_task",
-    "barcode-mnist": "fed_dp.simulations.tasks.builtin:barcode_mnist_task",
-    "w1": "fed_dp.simulations.tasks.builtin:w1_task",
-    "snli": "fed_dp.simulations.tasks.builtin:snli_task",
-    "qnli": "fed_dp.simulations.tasks.builtin:qnli_task",
-    "ptb": "fed_dp.simulations.tasks.builtin:ptb_task",
-    "e2e": "fed_dp.simulations.tasks.builtin:e2e_task",
-    "femnist": "fed_dp.simulations.tasks.builtin:femnist_task",
-    "shakespeare": "fed_dp.simulations.tasks.builtin:shakespeare_task",
-    "stackoverflow": "fed_dp.simulations.tasks.builtin:stackoverflow_task",
-    "flair": "fed_dp.simulations.tasks.builtin:flair_task",
-}
+#: The entry-point group of tasks by short name (``task.ref = "heavy-tail"``): fed-dp's own built-in tasks
+#: (``fed_dp.simulations.tasks.builtin``, declared in pyproject.toml's ``[project.entry-points."fed_dp.tasks"]``)
+#: and those any other installed package registers the same way. Any other task is named ``package.module:factory``.
+TASK_GROUP = "fed_dp.tasks"
+
+
+@functools.cache
+def registered_tasks() -> dict[str, str]:
+    """Short name → ``package.module:factory`` of every task registered under :data:`TASK_GROUP` by an installed
+    distribution, read from the installed metadata (``importlib.metadata``) without importing any task: the core
+    finds the built-in tasks without naming the layer that defines them. A name two distributions register with
+    different factories is refused."""
+    tasks: dict[str, str] = {}
+    for entry in importlib.metadata.entry_points(group=TASK_GROUP):
+        _check(tasks.get(entry.name, entry.value) == entry.value,
+               f"the task name {entry.name!r} is registered twice under the entry-point group {TASK_GROUP!r}, as "
+               f"{tasks.get(entry.name)!r} and {entry.value!r}: uninstall one of the packages that register it")
+        tasks[entry.name] = entry.value
+    return tasks
+
+
+def _unknown_task(ref: str) -> str:
+    """What to say about a ``task.ref`` that is neither a registered name nor ``package.module:factory``."""
+    names = registered_tasks()
+    if not names:
+        return (f"task.ref {ref!r} is not 'package.module:factory', and no task names are registered (entry-point "
+                f"group {TASK_GROUP!r}): fed-dp's installed metadata is missing or stale; reinstall it "
+                "(pip install -e . in a checkout)")
+    return f"task.ref {ref!r} is neither a built-in task ({', '.join(names)}) nor 'package.module:factory'"
+
 
 TRAINING_PATHS = ("auto", "vectorized", "sequential")
 TABLES = ("task", "privacy", "optimizer", "local", "adaptive", "server", "client", "run")
@@ -84,7 +99,7 @@ class Key:
 
 
 KEYS: tuple[Key, ...] = (
-    Key("task", "ref", str, "heavy-tail", "the task: a built-in name (" + ", ".join(BUILTIN_TASKS)
+    Key("task", "ref", str, "heavy-tail", "the task: a built-in name (" + ", ".join(registered_tasks())
         + ") or 'package.module:factory', a function returning a fed_dp.Task; the other [task] keys are its "
         "keyword arguments"),
     Key("task", "root", str, None, "local data folder of a task that reads files (a SuperNode's data-root wins)",
@@ -174,14 +189,12 @@ class TaskSettings:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.ref, str) and self.ref, f"task.ref must be a non-empty string, got {self.ref!r}")
-        _check(self.ref in BUILTIN_TASKS or ":" in self.ref,
-               f"task.ref {self.ref!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor "
-               "'package.module:factory'")
+        _check(self.ref in registered_tasks() or ":" in self.ref, _unknown_task(self.ref))
 
     @property
     def target(self) -> str:
         """``package.module:factory`` of the task."""
-        return BUILTIN_TASKS.get(self.ref, self.ref)
+        return registered_tasks().get(self.ref, self.ref)
 
 
 @dataclass(frozen=True, kw_only=True)

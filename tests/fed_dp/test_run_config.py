@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import tomllib
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from flwr.common.config import flatten_dict
 from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import make_optimizer
-from fed_dp.run_config import (KEYS, AdaptiveSettings, ClientSettings, RunConfig, RunSettings, ServerSettings,
-                               apply_overrides, flower_defaults, unflatten)
+from fed_dp.run_config import (KEYS, TASK_GROUP, AdaptiveSettings, ClientSettings, RunConfig, RunSettings,
+                               ServerSettings, TaskSettings, apply_overrides, flower_defaults, registered_tasks,
+                               unflatten)
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = {"privacy": PrivacyConfig, "local": LocalTraining, "server": ServerSettings, "client": ClientSettings,
@@ -108,3 +110,45 @@ def test_overrides_and_unflatten():
     with pytest.raises(ValueError, match="table.key=value"):
         apply_overrides({}, ["rounds=3"])
     assert unflatten({"a.b": 1, "a.c": 2, "d.e": 3}) == {"a": {"b": 1, "c": 2}, "d": {"e": 3}}
+
+
+def test_the_built_in_tasks_are_found_by_name_through_the_entry_point_group():
+    """The core names no upper layer: the short names come from the installed metadata (pyproject.toml's
+    ``[project.entry-points."fed_dp.tasks"]``), read without importing any task."""
+    tasks = registered_tasks()
+    assert {"heavy-tail", "w1", "cifar10", "flair"} <= set(tasks)
+    assert TaskSettings(ref="w1").target == tasks["w1"] == "fed_dp.simulations.tasks.builtin:w1_task"
+    assert TaskSettings(ref="my_tasks:make").target == "my_tasks:make"
+
+
+def test_an_unknown_task_name_lists_the_registered_ones():
+    with pytest.raises(ValueError, match=r"task.ref 'nonsense' is neither a built-in task \(.*heavy-tail.*\) nor "
+                                         r"'package.module:factory'"):
+        TaskSettings(ref="nonsense")
+
+
+def _registry(monkeypatch, *entries: tuple[str, str]) -> None:
+    points = importlib.metadata.EntryPoints(
+        importlib.metadata.EntryPoint(name, value, TASK_GROUP) for name, value in entries)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: points.select(group=group))
+    registered_tasks.cache_clear()
+
+
+@pytest.fixture
+def fresh_registry():
+    registered_tasks.cache_clear()
+    yield
+    registered_tasks.cache_clear()
+
+
+def test_a_task_name_registered_twice_with_different_factories_is_refused(monkeypatch, fresh_registry):
+    _registry(monkeypatch, ("twin", "a.tasks:make"), ("twin", "b.tasks:make"))
+    with pytest.raises(ValueError, match="'twin' is registered twice .* 'a.tasks:make' and 'b.tasks:make': uninstall"):
+        registered_tasks()
+
+
+def test_without_registered_tasks_the_error_says_to_reinstall(monkeypatch, fresh_registry):
+    _registry(monkeypatch)
+    with pytest.raises(ValueError, match=r"no task names are registered .*reinstall it \(pip install -e \."):
+        TaskSettings(ref="heavy-tail")
+    assert TaskSettings(ref="my_tasks:make").target == "my_tasks:make"

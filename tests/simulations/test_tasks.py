@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from fed_dp.clients.task import load_task
-from fed_dp.run_config import BUILTIN_TASKS
+from fed_dp.run_config import registered_tasks
 from fed_dp.simulations.tasks.builtin import label_counts
 from fed_dp.simulations.tasks.synthetic import heavy_tail_class_sizes
 
 
 def build_task(name: str, **options):
-    return load_task(BUILTIN_TASKS.get(name, name), options)
+    return load_task(registered_tasks().get(name, name), options)
 
 
 def _examples(task, field: int) -> torch.Tensor:
@@ -95,6 +95,18 @@ def test_barcode_mnist_task_from_local_idx_files(tmp_path):
 def test_missing_data_folder_says_what_to_put_where(tmp_path):
     with pytest.raises(FileNotFoundError, match="data_batch_1"):
         build_task("cifar10", root=str(tmp_path / "nowhere"), users=2)
+
+
+def test_every_built_in_task_name_is_a_factory_of_the_tasks_package():
+    """The tasks package owns the table of short names (pyproject.toml's entry-point group fed_dp.tasks); the
+    core reads it from the installed metadata. Every name loads to a factory of ``tasks.builtin``."""
+    from fed_dp.simulations.tasks import builtin
+
+    ours = {name: target for name, target in registered_tasks().items() if target.startswith("fed_dp.")}
+    assert len(ours) == 14
+    for name, target in ours.items():
+        module, _, factory = target.partition(":")
+        assert module == builtin.__name__ and callable(getattr(builtin, factory)), name
 
 
 def test_unknown_task_or_parameter_is_a_clear_error():
