@@ -1,14 +1,17 @@
 """The import graph points down only: fed_dp (core) ← clients ← server, with simulations on top.
 
-Every import statement of every module is read with ``ast`` (also imports inside functions), so a cycle cannot
-hide in a lazy import. The core is DP math on tensors: it imports neither torch.nn nor Flower. The package's
-``__init__`` is the public facade that loads the layers lazily on first use; it is the one module allowed to
-name all of them.
+Every import statement of every module, subpackages included, is read with ``ast`` (also imports inside
+functions, and relative imports resolved), so a cycle cannot hide in a lazy import. So is every string that is a
+module reference — ``"fed_dp.simulations.tasks.builtin:w1_task"``, ``importlib.import_module("fed_dp.server.app")``
+— so an upward link cannot hide in a string either (docstrings and logger names are prose and names, not
+references). The core is DP math on tensors: it imports neither torch.nn nor Flower. The package's ``__init__``
+is the public facade that loads the layers lazily on first use; it is the one module allowed to name all of them.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: folder → (layer name, rank); a module may import layers of lower or equal rank only.
 LAYERS = {"fed_dp": ("core", 0), "clients": ("clients", 1), "server": ("server", 2), "simulations": ("simulations", 3)}
 RANK = {"fed_dp": 0, "fed_dp.clients": 1, "fed_dp.server": 2, "fed_dp.simulations": 3}
+#: folder → the package it installs as (pyproject.toml's package-dir).
+PACKAGE = {"fed_dp": "fed_dp", "clients": "fed_dp.clients", "server": "fed_dp.server", "simulations": "fed_dp.simulations"}
+#: A whole string that names a module of the package, optionally with ``:attribute`` (an entry-point value).
+MODULE_REFERENCE = re.compile(r"fed_dp(\.\w+)*(:[\w.]+)?")
 
 
 def _modules() -> list[Path]:
@@ -34,15 +41,58 @@ def _folder(path: Path) -> str:
     return path.relative_to(ROOT).parts[0]
 
 
+def _module_name(path: Path) -> str:
+    """The dotted name ``path`` installs as, e.g. simulations/tasks/builtin.py → fed_dp.simulations.tasks.builtin."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join((PACKAGE[parts[0]], *parts[1:]))
+
+
 def _imports(path: Path) -> list[str]:
+    """Every module an import statement of ``path`` names, relative imports resolved to absolute names."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = None  # tests and examples: relative imports stay within them
+    if _folder(path) in PACKAGE:
+        package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level and package is None:
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            if module:
+                names += [module] + [f"{module}.{alias.name}" for alias in node.names]
     return names
+
+
+def _not_references(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are prose or names, not module references: docstrings, logger names."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                skip.add(id(first.value))
+        elif isinstance(node, ast.Call) and node.args:
+            function = node.func
+            if (function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)) == "getLogger":
+                skip.add(id(node.args[0]))
+    return skip
+
+
+def _string_references(path: Path) -> list[str]:
+    """The modules that strings of ``path`` name (a whole string ``fed_dp.x.y`` or ``fed_dp.x.y:attribute``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _not_references(tree)
+    return [node.value.partition(":")[0] for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+            and MODULE_REFERENCE.fullmatch(node.value.strip())]
 
 
 def _layer_of_import(name: str) -> int | None:
@@ -63,6 +113,36 @@ def test_imports_point_down_only(path):
     layer, rank = LAYERS[_folder(path)]
     upward = [name for name in _imports(path) if (_layer_of_import(name) or 0) > rank]
     assert not upward, f"{path.relative_to(ROOT)} ({layer}) imports {upward} from a layer above it"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_string_names_a_module_of_a_layer_above(path):
+    """A task table, an entry point or ``importlib.import_module`` that names an upper layer in a string is an
+    upward link too (a lower layer finds an upper one through a mechanism such as entry points instead)."""
+    layer, rank = LAYERS[_folder(path)]
+    upward = sorted({name for name in _string_references(path) if (_layer_of_import(name) or 0) > rank})
+    assert not upward, f"{path.relative_to(ROOT)} ({layer}) names {upward} of a layer above it in a string"
+
+
+def test_the_reference_reader_sees_strings_lazy_and_relative_imports(tmp_path, monkeypatch):
+    """The readers above on a core module that hides upward links in each way they look for."""
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    path = tmp_path / "fed_dp" / "hidden.py"
+    path.parent.mkdir()
+    path.write_text('''"""A docstring naming fed_dp.server.app is prose."""
+import importlib
+import logging
+
+TASKS = {"w1": "fed_dp.simulations.tasks.builtin:w1_task"}
+log = logging.getLogger("fed_dp.server")
+
+
+def lazy():
+    from .clients import task
+    return importlib.import_module("fed_dp.server.app"), task
+''')
+    assert _string_references(path) == ["fed_dp.simulations.tasks.builtin", "fed_dp.server.app"]
+    assert "fed_dp.clients.task" in _imports(path)
 
 
 @pytest.mark.parametrize("path", [p for p in _modules() if _folder(p) == "fed_dp"], ids=lambda p: p.name)
