@@ -8,11 +8,12 @@ strategy cache.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, mode: int | None = None) -> Path:
@@ -33,6 +34,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None]
         Path(handle.name).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json_atomically(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """``payload`` as indented JSON (UTF-8) at ``path``, written atomically (:func:`write_atomically`)."""
+    return write_atomically(path, lambda handle: handle.write(json.dumps(payload, indent=1).encode("utf-8")))
 
 
 def remove_temporaries(folder: str | os.PathLike, name_pattern: str) -> list[Path]:

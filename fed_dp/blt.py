@@ -83,13 +83,9 @@ import numpy as np
 import torch
 from scipy import signal
 
-from fed_dp.factorization import (
-    _check_int,
-    _check_momentum,
-    _write_json_atomically,
-    default_cache_dir,
-    lbfgs_minimize,
-)
+from fed_dp.atomic import write_json_atomically
+from fed_dp.factorization import default_cache_dir, lbfgs_minimize
+from fed_dp.validation import check_int_range, check_momentum
 
 if TYPE_CHECKING:
     from fed_dp.config import PrivacyConfig
@@ -133,7 +129,7 @@ def _check_parameters(theta: Sequence[float], omega: Sequence[float]) -> tuple[t
 
 def blt_coefs(theta: Sequence[float], omega: Sequence[float], rounds: int) -> np.ndarray:
     """c_0 … c_{T−1} of the un-normalized BLT: c_0 = 1, c_t = Σ_j θ_j ω_j^{t−1} (float64, O(T·ℓ))."""
-    rounds = _check_int("rounds", rounds, 1)
+    rounds = check_int_range("rounds", rounds, 1)
     theta, omega = np.asarray(theta, dtype=np.float64), np.asarray(omega, dtype=np.float64)
     coefs = np.ones(rounds)
     coefs[1:] = theta @ np.power(omega[:, None], np.arange(rounds - 1)[None, :])
@@ -233,9 +229,9 @@ def blt_loss(theta: torch.Tensor, omega: torch.Tensor, rounds: int, *, separatio
     """sens_T(C̃)² · (1/T)·‖A C̃⁻¹‖_F² of BLT(θ, ω): the expected squared error per round of the workload's
     estimates at unit noise multiplier, with every participation the min-separation allows (module
     docstring). Differentiable in ``theta`` and ``omega`` (float64 tensors); O(T·ℓ)."""
-    rounds = _check_int("rounds", rounds, 1)
-    separation = _check_int("separation", separation, 1)
-    momentum = _check_momentum(momentum)
+    rounds = check_int_range("rounds", rounds, 1)
+    separation = check_int_range("separation", separation, 1)
+    momentum = check_momentum(momentum)
     sens_sq, frobenius_sq = _loss_terms(theta, omega, rounds, separation, momentum)
     return sens_sq * frobenius_sq / rounds
 
@@ -258,7 +254,7 @@ class BLTStrategy:
         theta, omega = _check_parameters(self.theta, self.omega)
         object.__setattr__(self, "theta", theta)
         object.__setattr__(self, "omega", omega)
-        object.__setattr__(self, "rounds", _check_int("rounds", self.rounds, 1))
+        object.__setattr__(self, "rounds", check_int_range("rounds", self.rounds, 1))
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"BLT(theta={self.theta}, omega={self.omega}) has coefficients whose norm over "
                              f"{self.rounds} rounds is {self.scale!r}: not a usable strategy (|theta| too large)")
@@ -308,7 +304,7 @@ class BLTStrategy:
         that fits (⌈t/m⌉) counted: Σ_{s<t} V_s² / n_0² with V the column sum of the earliest pattern of the
         envelope ĉ (module docstring): exact when c is nonnegative and nonincreasing, an upper bound otherwise.
         Nondecreasing in t, from (ĉ_0/n_0)² at t = 1 (only row 0 released) to at least 1."""
-        separation = _check_int("separation", separation, 1)
+        separation = check_int_range("separation", separation, 1)
         comb = _comb_sums(torch.from_numpy(self.coefs()), separation).numpy()
         squared = np.cumsum(comb**2) / self.scale**2
         if not np.all(np.isfinite(squared)):  # a NaN here would reach the accountant as a NaN noise multiplier
@@ -342,7 +338,7 @@ def initial_blt(rounds: int, buffers: int, spread: float = 1.0) -> tuple[np.ndar
     """A starting point: memory lengths τ_j = 1/(1 − ω_j) log-spaced over [1, T^spread], θ_j ∝ √(1 − ω_j)
     (a sum of exponentials shaped like the square root of the prefix sum, c_t ≈ 1/√(πt)), Σθ = 1/2 = c_1 of
     that square root."""
-    rounds, buffers = _check_int("rounds", rounds, 1), _check_int("buffers", buffers, 1)
+    rounds, buffers = check_int_range("rounds", rounds, 1), check_int_range("buffers", buffers, 1)
     top = max(math.log(max(rounds, 2)) * spread, 1e-3)
     tau = np.exp((np.arange(buffers) + 0.5) / buffers * top) + 0.5
     omega = 1.0 - 1.0 / tau
@@ -429,11 +425,11 @@ def optimize_blt(
     else ~/.cache/fed-dp/strategies, written atomically; a cached file that fails validation raises ValueError
     naming it (never silently recomputed).
     """
-    rounds = _check_int("rounds", rounds, 1)
-    buffers = _check_int("buffers", buffers, 1)
-    separation = _check_int("separation", separation, 1)
-    momentum = _check_momentum(momentum)
-    max_iter = _check_int("max_iter", max_iter, 1)
+    rounds = check_int_range("rounds", rounds, 1)
+    buffers = check_int_range("buffers", buffers, 1)
+    separation = check_int_range("separation", separation, 1)
+    momentum = check_momentum(momentum)
+    max_iter = check_int_range("max_iter", max_iter, 1)
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     path = folder / f"blt-v{_CACHE_VERSION}-T{rounds}-k{buffers}-m{separation}-{_workload_key(momentum)}.json"
     header = _cache_header(rounds, buffers, separation, momentum)
@@ -448,7 +444,7 @@ def optimize_blt(
         raise ValueError(f"BLT optimization for T = {rounds}, {buffers} buffers found no finite loss")
     theta, omega, loss = best
     strategy = BLTStrategy(theta, omega, rounds)
-    _write_json_atomically(path, {**header, "theta": list(strategy.theta), "omega": list(strategy.omega), "loss": loss})
+    write_json_atomically(path, {**header, "theta": list(strategy.theta), "omega": list(strategy.omega), "loss": loss})
     return strategy
 
 

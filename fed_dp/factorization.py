@@ -33,7 +33,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from fed_dp.atomic import write_atomically
+from fed_dp.atomic import write_json_atomically
+from fed_dp.validation import check_int_range, check_momentum
 
 __all__ = [
     "BandedStrategy",
@@ -63,30 +64,10 @@ _CACHE_VERSION = 1
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    """Return ``value`` as an int after checking ``low ≤ value ≤ high``; ValueError names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        allowed = f"{low} ≤ {name}" + (f" ≤ {high}" if high is not None else "")
-        raise ValueError(f"{name} must satisfy {allowed}, got {value}")
-    return value
-
-
 def _check_rounds_bands(rounds: Any, bands: Any) -> tuple[int, int]:
-    rounds = _check_int("rounds", rounds, 1)
-    bands = _check_int("bands", bands, 1, rounds)
+    rounds = check_int_range("rounds", rounds, 1)
+    bands = check_int_range("bands", bands, 1, rounds)
     return rounds, bands
-
-
-def _check_momentum(momentum: Any) -> float:
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float, np.floating, np.integer)):
-        raise ValueError(f"momentum must be a real number with 0 ≤ momentum < 1, got {momentum!r}")
-    momentum = float(momentum)
-    if not (0.0 <= momentum < 1.0):
-        raise ValueError(f"momentum must satisfy 0 ≤ momentum < 1, got {momentum}")
-    return momentum
 
 
 def _as_float64_matrix(name: str, matrix: Any) -> torch.Tensor:
@@ -296,7 +277,7 @@ class BandedStrategy:
 
 def identity_strategy(rounds: int) -> BandedStrategy:
     """C = I (b = 1): independent noise, the trivial BandMF strategy (ALGORITHMS.md §2; seed 000 §2.1)."""
-    rounds = _check_int("rounds", rounds, 1)
+    rounds = check_int_range("rounds", rounds, 1)
     return BandedStrategy(torch.ones(rounds, 1, dtype=_DTYPE))
 
 
@@ -310,7 +291,7 @@ def banded_from_dense(C: torch.Tensor, bands: int) -> BandedStrategy:
     """
     C = _as_float64_matrix("C", C)
     rounds = C.shape[0]
-    bands = _check_int("bands", bands, 1, rounds)
+    bands = check_int_range("bands", bands, 1, rounds)
     _check_lower_triangular("C", C)
     outside = torch.tril(C, diagonal=-bands).nonzero()
     if len(outside):
@@ -352,7 +333,7 @@ def toeplitz_strategy(coefs: Sequence[float] | torch.Tensor, rounds: int) -> Ban
     Choquette-Choo et al. 2023 ("Amplified banded matrix factorization"); McKenna 2024 ("Scaling up the
     banded matrix factorization mechanism").
     """
-    rounds = _check_int("rounds", rounds, 1)
+    rounds = check_int_range("rounds", rounds, 1)
     coefs = _check_coefs(coefs, rounds)
     return BandedStrategy(_normalize_band(_band_from_toeplitz(coefs, rounds)))
 
@@ -364,7 +345,7 @@ def toeplitz_strategy(coefs: Sequence[float] | torch.Tensor, rounds: int) -> Ban
 
 def prefix_sum_workload(rounds: int) -> torch.Tensor:
     """A[t, j] = 1 for j ≤ t, else 0 (T×T float64): the prefix-sum workload of DP-FTRL/BandMF (seed 000 §2.1)."""
-    rounds = _check_int("rounds", rounds, 1)
+    rounds = check_int_range("rounds", rounds, 1)
     return torch.tril(torch.ones(rounds, rounds, dtype=_DTYPE))
 
 
@@ -373,8 +354,8 @@ def momentum_workload(rounds: int, momentum: float) -> torch.Tensor:
 
     The SGD-with-momentum workload (seed 000 §2.1; Choquette-Choo et al. 2023); μ = 0 is prefix-sum.
     """
-    rounds = _check_int("rounds", rounds, 1)
-    momentum = _check_momentum(momentum)
+    rounds = check_int_range("rounds", rounds, 1)
+    momentum = check_momentum(momentum)
     idx = torch.arange(rounds, dtype=_DTYPE)
     lag = idx[:, None] - idx[None, :]
     values = (1.0 - momentum ** (lag.clamp(min=0) + 1.0)) / (1.0 - momentum)
@@ -408,11 +389,11 @@ def banded_error(strategy: BandedStrategy, *, separation: int, momentum: float =
     figure as ``fed_dp.blt.blt_error`` for a BLT, so the two compare at equal ε. Dense (``strategy_loss``):
     for T up to a few thousand.
     """
-    separation = _check_int("separation", separation, 1)
+    separation = check_int_range("separation", separation, 1)
     if separation < strategy.bands:
         raise ValueError(f"separation (the min-separation m = {separation}) must be >= bands (b = {strategy.bands}): "
                          "BandMF's sensitivity √⌈T/m⌉ needs participations at least b rounds apart")
-    workload = momentum_workload(strategy.rounds, _check_momentum(momentum))
+    workload = momentum_workload(strategy.rounds, check_momentum(momentum))
     return math.ceil(strategy.rounds / separation) * strategy_loss(strategy.dense(), workload)
 
 
@@ -481,7 +462,7 @@ def toeplitz_inverse_coefs(coefs: torch.Tensor, rounds: int) -> torch.Tensor:
     backward solves the adjoint system C̃ᵀλ = ∂L/∂h and returns ∂L/∂c_r = −Σ_n λ_n h_{n−r}.
     ``coefs`` must be a 1-D float64 tensor with coefs[0] ≠ 0 and len(coefs) ≤ rounds.
     """
-    rounds = _check_int("rounds", rounds, 1)
+    rounds = check_int_range("rounds", rounds, 1)
     if not isinstance(coefs, torch.Tensor) or coefs.dtype != _DTYPE or coefs.ndim != 1 or len(coefs) == 0:
         raise ValueError("coefs must be a non-empty 1-D torch.float64 tensor")
     if len(coefs) > rounds:
@@ -509,8 +490,8 @@ def toeplitz_loss(coefs: torch.Tensor, rounds: int, momentum: float = 0.0) -> to
     (b + 1 bands; c' = c for μ = 0). With h' the inverse coefficients of c', A C̃⁻¹ is lower-triangular
     Toeplitz with coefficients p = cumsum(h'), and ‖A C̃⁻¹‖_F² = Σ_n (T − n)·p_n². Everything is O(T·b).
     """
-    rounds = _check_int("rounds", rounds, 1)
-    momentum = _check_momentum(momentum)
+    rounds = check_int_range("rounds", rounds, 1)
+    momentum = check_momentum(momentum)
     if not isinstance(coefs, torch.Tensor) or coefs.dtype != _DTYPE or coefs.ndim != 1 or len(coefs) == 0:
         raise ValueError("coefs must be a non-empty 1-D torch.float64 tensor")
     if len(coefs) > rounds:
@@ -535,7 +516,7 @@ def sqrt_prefix_sum_coefs(bands: int) -> torch.Tensor:
     """c_r = binom(2r, r)/4^r for r < b: the Toeplitz coefficients of the square root of the prefix-sum
     matrix (the Taylor coefficients of (1 − z)^{−1/2}), truncated to b bands. The starting point of
     ``optimize_toeplitz`` (McKenna 2024; Choquette-Choo et al. 2023)."""
-    bands = _check_int("bands", bands, 1)
+    bands = check_int_range("bands", bands, 1)
     coefs = [1.0]
     for r in range(1, bands):
         coefs.append(coefs[-1] * (2 * r - 1) / (2 * r))
@@ -605,10 +586,6 @@ def _minimize_toeplitz_loss(rounds: int, bands: int, momentum: float, max_iter: 
     return best / torch.linalg.vector_norm(best), best_loss
 
 
-def _write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    write_atomically(path, lambda handle: handle.write(json.dumps(payload, indent=1).encode("utf-8")))
-
-
 def _cache_header(rounds: int, bands: int, momentum: float) -> dict[str, Any]:
     """The fields that identify a cached strategy: format, version and the (T, b, workload) key."""
     return {
@@ -662,8 +639,8 @@ def optimize_toeplitz(
     naming the file (it is never silently recomputed).
     """
     rounds, bands = _check_rounds_bands(rounds, bands)
-    momentum = _check_momentum(momentum)
-    max_iter = _check_int("max_iter", max_iter, 1)
+    momentum = check_momentum(momentum)
+    max_iter = check_int_range("max_iter", max_iter, 1)
     if bands == 1:
         return identity_strategy(rounds)
     path = _cache_path(cache_dir, rounds, bands, momentum)
@@ -671,7 +648,7 @@ def optimize_toeplitz(
         return _read_cached(path, rounds, bands, momentum)
     coefs, loss = _minimize_toeplitz_loss(rounds, bands, momentum, max_iter)
     strategy = toeplitz_strategy(coefs, rounds)
-    _write_json_atomically(
+    write_json_atomically(
         path, {**_cache_header(rounds, bands, momentum), "coefs": coefs.tolist(), "loss": loss}
     )
     return strategy

@@ -15,6 +15,29 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
     return int(value)
 
 
+def check_int_range(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` as an int, if it is an integer (not a bool; numpy's too) with ``low ≤ value ≤ high`` (``high``
+    None: no upper bound). The strategy matrices' sizes (``fed_dp.factorization``, ``fed_dp.blt``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        allowed = f"{low} ≤ {name}" + (f" ≤ {high}" if high is not None else "")
+        raise ValueError(f"{name} must satisfy {allowed}, got {value}")
+    return value
+
+
+def check_momentum(momentum: object) -> float:
+    """``momentum`` as a float, if it is a real number (not a bool; numpy's too) with 0 ≤ momentum < 1: the
+    momentum β of a workload matrix (``fed_dp.factorization``, ``fed_dp.blt``)."""
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+        raise ValueError(f"momentum must be a real number with 0 ≤ momentum < 1, got {momentum!r}")
+    momentum = float(momentum)
+    if not (0.0 <= momentum < 1.0):
+        raise ValueError(f"momentum must satisfy 0 ≤ momentum < 1, got {momentum}")
+    return momentum
+
+
 def check_positive(name: str, value: object) -> float:
     """``value`` as a float, if it is a finite real number (not a bool) > 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
