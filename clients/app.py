@@ -10,55 +10,19 @@ The task comes from the run config by reference (``task.ref``), so every Flower 
 SuperNodes — imports it itself. A ClientApp of your own does the same in a few lines (``fed_dp.clients.node``).
 
 With ``node-service`` in the node config, both handlers forward the message to that node's long-lived service
-(``fed_dp.clients.node_service``), which answers with :data:`HANDLERS` and keeps the task loaded across messages;
-this module imports torch and the trainer only where it answers in its own process.
+(``fed_dp.clients.node_service``), which keeps the task loaded across messages; both answer with the same
+handlers (``fed_dp.clients.handlers``), which import torch and the trainer only when they run.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fed_dp.clients.handlers import HANDLERS
 from fed_dp.clients.node_service import NODE_CONFIG_KEY, forward, message_kind
 
 app = ClientApp()
-_TRAINERS: dict[str, Any] = {}  # per process (the simulation engine and a node service reuse processes)
-
-
-def _trainer(context: Context):
-    from fed_dp.clients.node import LocalTrainer
-    from fed_dp.clients.task import build_task
-    from fed_dp.run_config import RunConfig
-
-    run = RunConfig.from_flat(context.run_config)
-    root = str(context.node_config.get("data-root", "")) or None
-    key = repr((run.task, root, run.local, run.client))
-    if key not in _TRAINERS:
-        _TRAINERS.clear()
-        _TRAINERS[key] = LocalTrainer(build_task(run.task, node_root=root), run.local, device=run.client.device,
-                                      training=run.client.training, chunk_size=run.client.chunk_size)
-    return _TRAINERS[key]
-
-
-def answer_query(msg: Message, context: Context) -> Message:
-    from fed_dp.clients.node import hosted_users, query_reply
-
-    trainer = _trainer(context)
-    name = str(context.node_config.get("name", "")) or None
-    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), name=name)
-
-
-def answer_train(msg: Message, context: Context) -> Message:
-    from fed_dp.clients.node import hosted_users, train_reply
-
-    trainer = _trainer(context)
-    return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))
-
-
-#: Message kind → the handler that answers it in this process (also what a node service answers with).
-HANDLERS = {"query": answer_query, "train": answer_train}
 
 
 def _answer(msg: Message, context: Context) -> Message:

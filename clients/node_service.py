@@ -12,7 +12,7 @@ flwr-datasets). With one, the ClientApp process only imports Flower, as Flower's
 With ``node-service`` in its node config, ``fed_dp.clients.app`` imports neither torch nor fed-dp's trainer: it
 sends the message and its context (Flower's protobuf serialization) over the Unix socket and returns a reply
 built from the service's answer. The service answers with the ClientApp's own handlers
-(``fed_dp.clients.app.HANDLERS``), so the replies are the same as without it (tested); it keeps the trainer of
+(``fed_dp.clients.handlers.HANDLERS``), so the replies are the same as without it (tested); it keeps the trainer of
 the last task configuration it was asked for. It answers one message at a time, as a SuperNode sends them.
 
 Errors: no service at the path → the ClientApp fails the message, saying what to start (the server sees that
@@ -150,7 +150,7 @@ def serve(socket_path: str | os.PathLike[str], handlers: dict[str, Handler] | No
     number answered. ``handlers``: message kind → handler, default the project's ClientApp handlers."""
     if handlers is None:
         import fed_dp.clients.node  # noqa: F401  (torch and the trainer, once, before the first message)
-        from fed_dp.clients.app import HANDLERS
+        from fed_dp.clients.handlers import HANDLERS
 
         handlers = HANDLERS
     path = Path(socket_path)

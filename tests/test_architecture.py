@@ -145,6 +145,39 @@ def lazy():
     assert "fed_dp.clients.task" in _imports(path)
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module → the modules of the package it imports (lazily or not), each name cut to the module it is in."""
+    modules = {_module_name(path): path for path in _modules()}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for imported in _imports(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                graph[name].add(imported)
+    return graph
+
+
+def test_no_module_cycle():
+    """No module reaches itself through imports, lazy ones included (e.g. a ClientApp and its node service
+    importing each other): each module can be read, tested and loaded on its own."""
+    graph = _module_graph()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in path:
+            raise AssertionError("module cycle: " + " → ".join(path[path.index(name):] + (name,)))
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, path + (name,))
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
+
+
 @pytest.mark.parametrize("path", [p for p in _modules() if _folder(p) == "fed_dp"], ids=lambda p: p.name)
 def test_the_core_needs_neither_torch_nn_nor_flower(path):
     bad = [n for n in _imports(path) if n.split(".")[0] == "flwr" or n.startswith("torch.nn") or n == "torch.nn"]

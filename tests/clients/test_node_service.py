@@ -17,6 +17,7 @@ import torch
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from fed_dp.clients import app as client_app
+from fed_dp.clients import handlers as client_handlers
 from fed_dp.clients import protocol
 from fed_dp.clients.node_service import NODE_CONFIG_KEY, NodeServiceError, forward, serve
 from fed_dp.config import PrivacyConfig
@@ -35,7 +36,7 @@ def _context(node_config=None) -> Context:
 
 
 def _plan():
-    trainer = client_app._trainer(_context())  # the same model the node builds, for θ's names and shapes
+    trainer = client_handlers._trainer(_context())  # the same model the node builds, for θ's names and shapes
     named = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     return begin_round(init_server(PRIVACY, make_optimizer("dp-fedavg"), trainer.layout.flatten(named), seed=1)), named
 
@@ -79,7 +80,7 @@ def message() -> Message:
 
 
 def test_a_forwarded_train_message_gets_the_reply_the_clientapp_computes_itself(tmp_path, message):
-    local = client_app.answer_train(message, _context())
+    local = client_handlers.answer_train(message, _context())
     with Service(tmp_path, requests=1) as service:
         via_service = client_app.train(message, _context({**NODE_CONFIG, NODE_CONFIG_KEY: str(service.socket)}))
     assert service.answered == [1] and not service.socket.exists()  # the socket file goes with the service
