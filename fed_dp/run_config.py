@@ -172,9 +172,6 @@ KEYS: tuple[Key, ...] = (
     Key("run", "eval-every", int, 1, "evaluate the model every k rounds and after the last (0: never)"),
 )
 
-KEYS_BY_NAME: dict[str, Key] = {key.dotted: key for key in KEYS}
-
-
 # --- sections ------------------------------------------------------------------------------------------------
 
 

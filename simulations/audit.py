@@ -52,7 +52,7 @@ from fed_dp.clients.task import Task, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.noise import Privatizer
-from fed_dp.optimizers import ServerOptimizer, make_optimizer
+from fed_dp.optimizers import ServerOptimizer
 from fed_dp.moment_estimation import noise_stds
 from fed_dp.randomness import derive_seed
 from fed_dp.sampling import neighboring_relation

@@ -121,9 +121,3 @@ def assert_ledger_is_uninterrupted(records: list[dict[str, Any]], config: Privac
     assert PrivacyConfig(**ledger["config"]) == config
     assert [r["epsilon"] for r in ledger["records"]] == [epsilon(config, t + 1) for t in range(config.rounds)]
     assert all(set(r) == {"round", "epsilon"} for r in ledger["records"])  # the published ledger: no counts
-
-
-
-def load_checkpoint_when_written(folder: Path) -> dict[str, Any] | None:
-    """The checkpoint, or None while there is none (it is replaced atomically, never read half-written)."""
-    return load_checkpoint(folder)

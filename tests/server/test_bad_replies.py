@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
