@@ -1,1 +1,7 @@
-"""fed_dp.clients: what runs where users' data lives — the task interface, local training, the message protocol."""
+"""fed_dp.clients — the folder clients/, layer 1 of 4 (above the core): what runs where users' data lives.
+
+Imported as ``fed_dp.clients``, never as ``clients`` (pyproject.toml's package-dir maps the folder). It imports
+the core (``fed_dp``) and nothing above it. The task interface (``task``, ``losses``, ``evaluation``), local
+training and clipping (``training``, ``vectorized``, ``one_step``), the messages of both sides (``protocol``), a
+node's replies (``node``, ``handlers``), the project's ClientApp (``app``) and its node service
+(``node_service``)."""

@@ -1,4 +1,6 @@
-"""fed-dp: user-level differentially private federated training on Flower and PyTorch.
+"""fed_dp — the folder fed_dp/, layer 0 of 4 (the core) and the public facade: user-level DP federated training.
+
+fed-dp trains with user-level differential privacy on Flower and PyTorch.
 
 The public API, importable from here (loaded on first use, so ``import fed_dp`` stays light):
 
@@ -9,12 +11,14 @@ The public API, importable from here (loaded on first use, so ``import fed_dp`` 
     Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users
     Account                        epsilon, epsilon_schedule, calibrate_noise_multiplier, resolve_privacy
 
-The package is layered; imports point down only (tests/test_architecture.py checks it):
+The package is layered; imports point down only (tests/test_architecture.py checks it). Each layer above the
+core is a top-level folder of the repository that installs under another name (pyproject.toml's package-dir):
 
-    fed_dp.simulations   tasks (built-in tasks, datasets), engine (in-process simulator), experiments, benchmark, CLI
-    fed_dp.server        the Flower Strategy, membership, the ServerApp
-    fed_dp.clients       the task interface, losses, local training, the message protocol, the ClientApp
-    fed_dp (core)        DP math on flat tensors, no torch.nn and no Flower (the modules below)
+    fed_dp.simulations   simulations/   tasks (built-in tasks, datasets), engine (in-process simulator),
+                                        experiments, benchmark, CLI
+    fed_dp.server        server/        the Flower Strategy, membership, the ServerApp
+    fed_dp.clients       clients/       the task interface, losses, local training, the message protocol, the ClientApp
+    fed_dp (core)        fed_dp/        DP math on flat tensors, no torch.nn and no Flower (the modules below)
 
 Core modules (ALGORITHMS.md):
     config             PrivacyConfig (sampler, noise and accounting from one object), LocalTraining

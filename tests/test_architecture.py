@@ -192,6 +192,13 @@ def test_no_module_imports_the_old_top_level_names():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+@pytest.mark.parametrize("folder", sorted(LAYERS))
+def test_each_top_level_folder_says_first_which_import_name_it_is(folder):
+    """The folders are not the import paths (clients/ is fed_dp.clients): each layer's ``__init__`` says so first."""
+    first = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text(encoding="utf-8"))).splitlines()[0]
+    assert first.startswith(f"{PACKAGE[folder]} — the folder {folder}/, layer {LAYERS[folder][1]} of 4"), first
+
+
 def test_the_public_api_resolves():
     import fed_dp
 
