@@ -199,6 +199,17 @@ def test_each_top_level_folder_says_first_which_import_name_it_is(folder):
     assert first.startswith(f"{PACKAGE[folder]} — the folder {folder}/, layer {LAYERS[folder][1]} of 4"), first
 
 
+def test_every_package_is_installed():
+    """A non-editable install ships only the packages pyproject.toml lists: every folder with an ``__init__``
+    (subpackages included) is listed, each where package-dir says."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    found = {_module_name(path) for path in _modules() + [ROOT / "fed_dp" / "__init__.py"] if path.name == "__init__.py"}
+    assert set(setuptools["packages"]) == found
+    assert setuptools["package-dir"] == {package: folder for folder, package in PACKAGE.items()}
+
+
 def test_the_public_api_resolves():
     import fed_dp
 
