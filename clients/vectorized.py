@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.dropout import _DropoutNd
 
 from fed_dp.clients import one_step
@@ -76,6 +77,7 @@ __all__ = [
     "contribution",
     "path_metrics",
     "select_path",
+    "vectorizes_on_cpu",
     "users_contribution",
 ]
 
@@ -141,21 +143,43 @@ def can_vectorize(model: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+#: The largest model the auto choice vectorizes on a CPU. Measured on 2 cores, one torch thread, a few rounds of
+#: each workload, vectorized against sequential: linear models of 448 to 8,255 parameters (heavy-tail-quick,
+#: seed000-adagrad-1d, the main job with one-step training switched off) 3-5x faster; the 130,012-parameter
+#: bigram language model (embedding, LayerNorm, 10,000-word output layer) 1.7x slower. The bound lies between.
+CPU_VECTORIZE_MAX_PARAMS = 2**15
+
+
+def vectorizes_on_cpu(model: nn.Module) -> tuple[bool, str]:
+    """Whether vmap over users beats one user at a time on a CPU for ``model``, and why not: no convolution
+    (vmap turns a per-user convolution into a grouped one, whose CPU backward kernel is several times slower than
+    the per-user kernels: the W1 CNN trains 3x slower vectorized) and at most :data:`CPU_VECTORIZE_MAX_PARAMS`
+    parameters (per-user copies of a larger model cost more memory traffic than the per-user loop's overhead)."""
+    for name, module in model.named_modules():
+        if isinstance(module, _ConvNd):
+            return False, f"it has a convolution ({name}: {type(module).__name__})"
+    size = sum(p.numel() for p in model.parameters())
+    if size > CPU_VECTORIZE_MAX_PARAMS:
+        return False, f"{size:,} parameters, more than {CPU_VECTORIZE_MAX_PARAMS:,}"
+    return True, ""
+
+
 def select_path(model: nn.Module, vectorized: bool | None = None,
                 device: torch.device | str | None = None) -> tuple[Path, str]:
     """Which path :func:`contribution` takes for ``model`` on ``device``: ``(path, reason)``.
 
-    ``vectorized=None`` (auto): ``"vectorized"`` on a CUDA device when :func:`can_vectorize` allows it;
-    ``"sequential"`` on the CPU (measured faster on the 2-core CPUs here: vmap turns a per-user
-    convolution into a grouped one, whose CPU backward kernel is 3–4× slower than the per-user kernels;
-    ``fed-dp benchmark`` prints both) and for models that cannot be vectorized, with the reason.
+    ``vectorized=None`` (auto): ``"vectorized"`` on a CUDA device when :func:`can_vectorize` allows it; on the
+    CPU only for small models without convolutions (:func:`vectorizes_on_cpu`), ``"sequential"`` for the others
+    and for models that cannot be vectorized, with the reason.
     ``True``: ``"vectorized"`` or a ValueError with the reason. ``False``: ``"sequential"``.
     """
     if vectorized is False:
         return "sequential", "vectorized=False"
     ok, reason = can_vectorize(model)
     if vectorized is None and ok and torch.device(device or "cpu").type == "cpu":
-        return "sequential", "auto on CPU: the sequential path is the faster one there"
+        fits, why = vectorizes_on_cpu(model)
+        if not fits:
+            return "sequential", f"auto on CPU: the sequential path is the faster one for this model ({why})"
     if ok:
         return "vectorized", ""
     if vectorized:
@@ -382,7 +406,8 @@ def contribution(
         mine, users = one_step.one_step_users(users, training)
     if mine:
         try:
-            fast, fast_metrics = one_step.users_contribution(mine, **kwargs)
+            fast, fast_metrics = one_step.users_contribution(mine, max_extra_macs=one_step.AUTO_MAX_EXTRA_MACS,
+                                                             **kwargs)
         except one_step.Unsupported as refusal:
             model._fed_dp_one_step_refused = str(refusal)
             log.warning("training users with a model per user: %s cannot take the one-step path (%s)",

@@ -1,6 +1,6 @@
 """``fed-dp benchmark``: the workloads of BENCHMARKS.md, measured side by side in one invocation.
 
-    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users] [--smoke]
+    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users,paths] [--smoke]
 
 Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`` with a figure
 ``DIR/benchmark.png``):
@@ -57,6 +57,11 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     shaped population of 342,477 lazily generated users, 1,000 per round: seconds per round, ms per user, peak
     memory. ``--small-users-rounds``, ``--small-users-paper-rounds`` (0 skips the paper's size) and
     ``--small-users-max-seconds`` size it.
+``paths``
+    Whether ``client.training = "auto"`` takes the fastest training path (``simulations.benchmark_paths``): small
+    users of a linear model, the W1 CNN and a next-token model, with one and with several local steps, each run
+    with auto, vectorized and sequential; the fastest round of each and auto over the fastest.
+    ``--paths-rounds`` sizes it.
 ``gpu`` (only with CUDA)
     W1's data scaled to 10,000 users and 1,000 per round on ``cuda``, with W1's CNN and the seeds' CIFAR CNN:
     users/s of the engine's vectorized path against the hardware's practical limit for the same work (one
@@ -100,7 +105,7 @@ from fed_dp.clients.task import initial_model
 from fed_dp.simulations.flower_baseline import BaselineConfig, W1Workload
 from fed_dp.simulations.builtin_tasks import w1_task
 
-SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users")
+SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users", "paths")
 #: W1 systems that run in other processes (Ray, flwr): a few seconds of quiet follow each of them.
 SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "flower-dp-flwr-run", "fed-dp-flower")
 
@@ -792,6 +797,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     from fed_dp.simulations.benchmark_small_users import add_arguments as small_users_arguments
 
     small_users_arguments(parser)
+    parser.add_argument("--paths-rounds", type=int, default=4, metavar="R",
+                        help="paths: rounds per workload and path, the first left out as warm-up (default 4)")
     return parser
 
 
@@ -864,6 +871,14 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         results["small-users"] = benchmark_small_users.run_section(args, log=log)
         section("many small users: the engine against a direct implementation of the same round",
                 benchmark_small_users.format_small_users(results["small-users"]))
+    if "paths" in sections:
+        from fed_dp.simulations import benchmark_paths
+
+        log("measuring the training paths ...")
+        results["paths"] = benchmark_paths.bench_paths(benchmark_paths.workloads(smoke=bool(args.smoke)),
+                                                       rounds=2 if args.smoke else args.paths_rounds, log=log)
+        section("training paths: the automatic choice against each path (CPU, one torch thread)",
+                benchmark_paths.format_paths(results["paths"]))
     (out / "benchmark.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "benchmark.txt").write_text("\n".join(printed) + "\n")
     figure = plot(results, out / "benchmark.png")

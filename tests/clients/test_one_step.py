@@ -16,7 +16,7 @@ from torch import nn
 from fed_dp.clients import one_step, training as sequential
 from fed_dp.clients.losses import classification, multi_label, next_token, regression
 from fed_dp.clients.task import Examples
-from fed_dp.clients.vectorized import contribution, path_metrics
+from fed_dp.clients.vectorized import contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 
@@ -174,7 +174,7 @@ def test_contribution_mixes_paths_and_says_which_ran():
                   layout=layout, training=training, loss=loss, seed=5)
     mixed, metrics, path = contribution(users, **kwargs)
     slow, slow_metrics = sequential.users_contribution(users, **kwargs)
-    assert path == "one-step+sequential" and path_metrics(path) == {"vectorized": 0.0, "one_step": 1.0}
+    assert path == "one-step+vectorized" and path_metrics(path) == {"vectorized": 1.0, "one_step": 1.0}
     _close(mixed.total, slow.total)
     _close(mixed.total_squares, slow.total_squares)
     assert (mixed.count, mixed.unclipped) == (slow.count, slow.unclipped)
@@ -182,6 +182,49 @@ def test_contribution_mixes_paths_and_says_which_ran():
     only_fast = [u for u in users if len(u[1]) <= 4]
     assert contribution(only_fast, **kwargs)[2] == "one-step"
     assert contribution(only_fast, vectorized=False, **kwargs)[2] == "sequential"
+
+
+def test_extra_work_per_form():
+    """What each gradient form costs beyond a per-user backward pass, in multiply-adds (C users, Q positions)."""
+    c, q, k, o = 3, 4, 5, 7
+    rank_one = one_step._Outer(torch.ones(c, 1, k), torch.ones(c, 1, o))
+    assert rank_one.extra_macs(scaled=True, squares=True) == 0  # closed forms
+    wide = one_step._Outer(torch.ones(c, q, 50), torch.ones(c, q, 60))  # Q(k + o) < k·o: Gram matrices
+    assert wide.ghost_cheaper() and wide.extra_macs(False, False) == c * q * q * 110
+    assert wide.extra_macs(True, False) == c * q * 50 * 60  # the scale needs G_u itself
+    assert wide.extra_macs(False, True) == c * q * q * 110 + c * q * 50 * 60  # and so do the squares
+    thin = one_step._Outer(torch.ones(c, q, k), torch.ones(c, q, o))
+    assert not thin.ghost_cheaper() and thin.extra_macs(False, False) == c * q * k * o
+    assert one_step._Dense(torch.ones(c, 9)).extra_macs(True, True) == 0
+
+
+def test_auto_leaves_users_whose_norms_cost_more_than_a_model_per_user():
+    """Long sequences into a wide output layer: materializing G_u over 38 predicted positions (2 sequences of 20
+    tokens) costs 38·24·800 = 730k multiply-adds per user beyond the per-user path's work (the limit is 2^20 ≈
+    1.05M); over 98 (1.88M) the auto choice refuses once, says why, and every user trains with a model per user,
+    to the same sum."""
+    def setup(length):
+        torch.manual_seed(0)
+        model = TokenModel(vocabulary=800, width=24)
+        layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
+        params = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
+        g = torch.Generator().manual_seed(1)
+        users = [(i, Examples((torch.randint(0, 800, (2, length), generator=g),))) for i in range(3)]
+        kwargs = dict(params=params, round_index=0, clip_norm=0.5, scale=None, send_squares=False, model=model,
+                      layout=layout, training=FULL_BATCH, loss=next_token, seed=5)
+        return model, users, kwargs
+
+    model, users, kwargs = setup(20)  # 2 × 19 positions a user
+    assert contribution(users, **kwargs)[2] == "one-step"
+    model, users, kwargs = setup(50)  # 2 × 49 positions: 1.88M
+    with pytest.raises(one_step.Unsupported, match=r"1\.88e\+06 extra multiply-adds per user \(over 1\.05e\+06; most in out\.weight\)"):
+        one_step.users_contribution(users, max_extra_macs=one_step.AUTO_MAX_EXTRA_MACS, **kwargs)
+    forced, _ = one_step.users_contribution(users, **kwargs)  # no limit: the path itself still works
+    result, _, path = contribution(users, **kwargs)
+    assert path == "sequential" and "multiply-adds" in model._fed_dp_one_step_refused  # 39,248 parameters: > 2^15
+    slow, _ = sequential.users_contribution(users, **kwargs)
+    _close(result.total, slow.total)
+    _close(forced.total, slow.total)
 
 
 class OutsideUse(nn.Module):
@@ -227,7 +270,8 @@ def test_what_this_path_cannot_train_goes_the_usual_way(build, reason, caplog):
     with caplog.at_level(logging.WARNING, logger="fed_dp.clients"):
         result, _, path = contribution(users, **kwargs)
         assert contribution(users, **kwargs)[2] == path  # the refusal is remembered: logged once
-    assert path == "sequential" and sum(reason in r.getMessage() for r in caplog.records) == 1
+    assert path == select_path(model, None, params.device)[0]  # the usual path, as if one-step did not exist
+    assert sum(reason in r.getMessage() for r in caplog.records) == 1
     if not isinstance(model, (nn.Sequential,)) or not any(isinstance(m, nn.Dropout) for m in model.modules()):
         expected, _ = sequential.users_contribution(users, **kwargs)
         _close(result.total, expected.total)
