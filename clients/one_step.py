@@ -55,7 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fed_dp.clients.task import Examples, Loss
-from fed_dp.clients.training import UserExamples, check_finite_loss
+from fed_dp.clients.training import LocalRound, UserExamples, check_finite_loss, node_metrics
 from fed_dp.clipping import clip_factors, round_down_float32, row_norms
 from fed_dp.config import LocalTraining
 from fed_dp.contribution import Contribution
@@ -595,36 +595,24 @@ def _cost_refusal(result: _Chunk, users: int, *, scaled: bool, squares: bool, li
             "slower than training each user's own model")
 
 
-def users_contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-    budget_bytes: int = DEFAULT_CHUNK_BYTES,
-    max_extra_macs: float | None = None,
-) -> tuple[Contribution, dict[str, float]]:
+def users_contribution(users: Sequence[UserExamples], work: LocalRound, *, budget_bytes: int = DEFAULT_CHUNK_BYTES,
+                       max_extra_macs: float | None = None) -> tuple[Contribution, dict[str, float]]:
     """``clients.training.users_contribution`` for users whose update is one full-batch step (:func:`one_step`):
-    the same arguments (``seed`` is not needed: a full batch has no order that matters) and the same return value.
+    the same arguments (``work.seed`` is not needed: a full batch has no order that matters) and the same return
+    value.
 
     Raises ``Unsupported`` (caught by :func:`fed_dp.clients.vectorized.contribution`, which then takes the usual
     path) for what this path cannot train, before anything is summed, and, with ``max_extra_macs`` (the auto
     choice passes :data:`AUTO_MAX_EXTRA_MACS`), when the first chunk shows that its norms would cost more than that
-    many multiply-adds per user beyond a per-user path's work (:func:`_cost_refusal`); ValueError, like the other paths, for a loss
-    that becomes NaN/Inf or a non-finite update (naming the user).
+    many multiply-adds per user beyond a per-user path's work (:func:`_cost_refusal`); ValueError, like the other
+    paths, for a loss that becomes NaN/Inf or a non-finite update (naming the user).
     """
+    params, model, layout, loss, scale = work.params, work.model, work.layout, work.loss, work.scale
+    clip_norm, round_index, send_squares = work.clip_norm, work.round_index, work.send_squares
     reason = unsupported_reason(model, loss)
     if reason:
         raise Unsupported(reason)
-    device, lr = params.device, training.lr
+    device, lr = params.device, work.training.lr
     names = {id(p): name for name, p in model.named_parameters()}
     offsets, start = {}, 0
     for spec in layout.specs:
@@ -638,7 +626,7 @@ def users_contribution(
     squares = torch.zeros_like(params) if send_squares else None
     loss_sum, norm_sum, clipped = 0.0, 0.0, 0
     verified = getattr(model, "_fed_dp_one_step_verified", None) is loss
-    for n, m, chunk in _chunks(users, training, budget_bytes):
+    for n, m, chunk in _chunks(users, work.training, budget_bytes):
         examples = _stack(chunk, n, m, device)
         size = len(chunk)
         if not verified:
@@ -672,10 +660,5 @@ def users_contribution(
         norm_sum += float(norms.sum())
         clipped += int((norms > clip_norm).sum())
     count = len(users)
-    metrics = {
-        "train_loss": loss_sum / count if count else math.nan,
-        "mean_update_norm": norm_sum / count if count else math.nan,
-        "fraction_clipped": clipped / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source=source, unclipped=count - clipped,
-                        scaled=scale is not None), metrics
+    return Contribution(total, count, squares, source=work.source, unclipped=count - clipped,
+                        scaled=scale is not None), node_metrics(count, loss_sum, norm_sum, clipped)

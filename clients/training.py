@@ -26,6 +26,7 @@ import ctypes
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,6 +39,35 @@ from fed_dp.contribution import Contribution
 
 #: (user index, that user's examples): what a node trains in a round.
 UserExamples = tuple[int, Examples]
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    """What every training path needs to train a node's users in round ``round_index``: the broadcast (the flat
+    θ_{t−1} ``params``, the clip ζ, s_t for scale-then-privatize, whether Σu² is sent, the training ``seed``) and the
+    node's own ``model``, its ``layout``, ``training`` and ``loss``; ``source`` names the node in a Contribution."""
+
+    params: torch.Tensor
+    round_index: int
+    clip_norm: float
+    scale: torch.Tensor | None
+    send_squares: bool
+    model: nn.Module
+    layout: ParamLayout
+    training: LocalTraining
+    loss: Loss
+    seed: int
+    source: str = ""
+
+
+def node_metrics(count: int, loss_sum: float, norm_sum: float, clipped: int) -> dict[str, float]:
+    """A node's training metrics over ``count`` users: mean loss, mean update norm (before clipping), fraction
+    clipped; NaN for no users."""
+    return {
+        "train_loss": loss_sum / count if count else math.nan,
+        "mean_update_norm": norm_sum / count if count else math.nan,
+        "fraction_clipped": clipped / count if count else math.nan,
+    }
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -283,38 +313,25 @@ def local_delta(
     return flat - params, float(torch.stack(losses).double().mean()) if losses else math.nan
 
 
-def users_contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-) -> tuple[Contribution, dict[str, float]]:
+def users_contribution(users: Sequence[UserExamples], work: LocalRound) -> tuple[Contribution, dict[str, float]]:
     """Train each (user index, examples), clip its update in the broadcast geometry; return Σu, count (and Σu²).
 
     Runs on ``params.device``: the model must be there; each user's examples are moved there (and to the fast
     memory format, :func:`use_fast_format`), one user at a time. Raises ValueError naming the user for a loss
     that is not a scalar or becomes NaN/Inf, and for a non-finite update.
     """
+    params, scale, round_index, seed = work.params, work.scale, work.round_index, work.seed
     require_examples(users)
-    memory_format = use_fast_format(model, users)
+    memory_format = use_fast_format(work.model, users)
     total = torch.zeros_like(params)
-    squares = torch.zeros_like(params) if send_squares else None
+    squares = torch.zeros_like(params) if work.send_squares else None
     losses, norms, clipped = [], [], 0
     for index, examples in users:
         examples = examples.to(params.device, memory_format)
-        delta, mean_loss = local_delta(model, layout, params, examples, training, loss,
+        delta, mean_loss = local_delta(work.model, work.layout, params, examples, work.training, work.loss,
                                        user_generator(seed, round_index, index), user=index)
         check_finite_loss(mean_loss, index, round_index)
-        result = clip_update(delta, clip_norm) if scale is None else clip_scaled(delta, scale, clip_norm)
+        result = clip_update(delta, work.clip_norm) if scale is None else clip_scaled(delta, scale, work.clip_norm)
         total += result.update
         if squares is not None:
             squares += result.update.square()
@@ -322,10 +339,5 @@ def users_contribution(
         norms.append(result.norm)
         clipped += result.clipped
     count = len(users)
-    metrics = {
-        "train_loss": sum(losses) / count if count else math.nan,
-        "mean_update_norm": sum(norms) / count if count else math.nan,
-        "fraction_clipped": clipped / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source=source, unclipped=count - clipped,
-                        scaled=scale is not None), metrics
+    return Contribution(total, count, squares, source=work.source, unclipped=count - clipped,
+                        scaled=scale is not None), node_metrics(count, sum(losses), sum(norms), clipped)

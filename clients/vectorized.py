@@ -45,8 +45,8 @@ users sequentially (the same arithmetic, so nothing about the result changes but
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -58,11 +58,10 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from fed_dp.clients import one_step
 from fed_dp.clients import training as sequential
-from fed_dp.clients.task import Examples, Loss
-from fed_dp.clients.training import (UserExamples, check_finite_loss, minibatch_orders, require_examples, scalar_loss,
-                                     user_generator)
+from fed_dp.clients.task import Examples
+from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, minibatch_orders, node_metrics,
+                                     require_examples, scalar_loss, user_generator)
 from fed_dp.clipping import clip_rows
-from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.contribution import Contribution
 
@@ -235,22 +234,8 @@ def _stack(chunk: Sequence[UserExamples], m: int, device: torch.device) -> tuple
     return stacked, first
 
 
-def users_contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-    chunk_size: int | None = None,
-) -> tuple[Contribution, dict[str, float]]:
+def users_contribution(users: Sequence[UserExamples], work: LocalRound, *,
+                       chunk_size: int | None = None) -> tuple[Contribution, dict[str, float]]:
     """Vectorized :func:`fed_dp.clients.training.users_contribution`: same arguments, same return value.
 
     Returns ``Contribution(Σ_i u_i, count, Σ_i u_i ⊙ u_i or None, source)`` and the metrics
@@ -265,16 +250,18 @@ def users_contribution(
     sequential path, for a loss that is not a scalar or becomes NaN/Inf (naming the user), a non-finite
     update, or an invalid ζ or scale.
     """
+    model, layout, training, loss, scale = work.model, work.layout, work.training, work.loss, work.scale
+    clip_norm, round_index, seed = work.clip_norm, work.round_index, work.seed
     ok, reason = can_vectorize(model)
     if not ok:
         raise ValueError(f"cannot vectorize local training over users: {reason}")
     require_examples(users)
     if chunk_size is None:
-        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(params.device))
+        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(work.params.device))
     if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     _check_layout(model, layout)
-    params = params.detach()
+    params = work.params.detach()
     if params.ndim != 1 or params.numel() != layout.size:
         raise ValueError(f"params must be a flat vector of {layout.size} values, got shape {tuple(params.shape)}")
     if scale is not None:
@@ -282,7 +269,7 @@ def users_contribution(
     device = params.device
 
     total = torch.zeros_like(params)
-    squares = torch.zeros_like(params) if send_squares else None
+    squares = torch.zeros_like(params) if work.send_squares else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float64, device=device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
@@ -346,13 +333,8 @@ def users_contribution(
             clipped += (norms > clip_norm).sum()
 
     count = len(users)
-    metrics = {
-        "train_loss": float(loss_sum) / count if count else math.nan,
-        "mean_update_norm": float(norm_sum) / count if count else math.nan,
-        "fraction_clipped": int(clipped) / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source=source, unclipped=count - int(clipped),
-                        scaled=scale is not None), metrics
+    return Contribution(total, count, squares, source=work.source, unclipped=count - int(clipped),
+                        scaled=scale is not None), node_metrics(count, float(loss_sum), float(norm_sum), int(clipped))
 
 
 #: Errors of torch.func that mean "this model or loss cannot be traced by vmap" (data-dependent control flow,
@@ -365,26 +347,11 @@ def _untraceable(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(marker.lower() in str(error).lower() for marker in _VMAP_MARKERS)
 
 
-def contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-    vectorized: bool | None = None,
-    chunk_size: int | None = None,
-) -> tuple[Contribution, dict[str, float], Path]:
-    """The node's contribution by the one-step, the vectorized or the sequential path, on ``params.device``.
+def contribution(users: Sequence[UserExamples], work: LocalRound, *, vectorized: bool | None = None,
+                 chunk_size: int | None = None) -> tuple[Contribution, dict[str, float], Path]:
+    """The node's contribution by the one-step, the vectorized or the sequential path, on ``work.params.device``.
 
-    Same arguments as ``users_contribution`` plus ``vectorized`` (``None``: auto; ``True``: vectorized or
+    The arguments of ``users_contribution`` plus ``vectorized`` (``None``: auto; ``True``: vectorized or
     ValueError; ``False``: sequential) and ``chunk_size`` (vectorized path only). Returns ``(Contribution, metrics,
     path)``: the first two exactly as ``users_contribution`` returns them (metrics stay floats, ready for a Flower
     MetricRecord) and ``path`` (:data:`Path`), the path that ran.
@@ -394,20 +361,15 @@ def contribution(
     cannot trace them (data-dependent control flow and the like), the reason is logged once per model and those
     users take the next path; with ``vectorized=True`` a vmap error is raised.
     """
-    if scale is not None:
-        scale = scale.to(params.device)  # s_t arrives from the server; it must sit with θ
-    kwargs = {
-        "params": params, "round_index": round_index, "clip_norm": clip_norm, "scale": scale,
-        "send_squares": send_squares, "model": model, "layout": layout, "training": training, "loss": loss,
-        "seed": seed, "source": source,
-    }
+    if work.scale is not None:  # s_t arrives from the server; it must sit with θ
+        work = replace(work, scale=work.scale.to(work.params.device))
+    model = work.model
     mine: Sequence[UserExamples] = []
     if vectorized is None and getattr(model, "_fed_dp_one_step_refused", None) is None:
-        mine, users = one_step.one_step_users(users, training)
+        mine, users = one_step.one_step_users(users, work.training)
     if mine:
         try:
-            fast, fast_metrics = one_step.users_contribution(mine, max_extra_macs=one_step.AUTO_MAX_EXTRA_MACS,
-                                                             **kwargs)
+            fast, fast_metrics = one_step.users_contribution(mine, work, max_extra_macs=one_step.AUTO_MAX_EXTRA_MACS)
         except one_step.Unsupported as refusal:
             model._fed_dp_one_step_refused = str(refusal)
             log.warning("training users with a model per user: %s cannot take the one-step path (%s)",
@@ -416,10 +378,10 @@ def contribution(
         else:
             if not users:
                 return fast, fast_metrics, "one-step"
-            rest, rest_metrics, path = _model_per_user(users, vectorized, chunk_size, kwargs)
+            rest, rest_metrics, path = _model_per_user(users, work, vectorized, chunk_size)
             return _merge(fast, rest), _merge_metrics(fast_metrics, len(mine), rest_metrics, len(users)), \
                 f"one-step+{path}"
-    return _model_per_user(users, vectorized, chunk_size, kwargs)
+    return _model_per_user(users, work, vectorized, chunk_size)
 
 
 def path_metrics(path: Path) -> dict[str, float]:
@@ -429,14 +391,14 @@ def path_metrics(path: Path) -> dict[str, float]:
     return {"vectorized": float(path.endswith("vectorized")), "one_step": float(path.startswith("one-step"))}
 
 
-def _model_per_user(users: Sequence[UserExamples], vectorized: bool | None, chunk_size: int | None,
-                    kwargs: dict[str, Any]) -> tuple[Contribution, dict[str, float], Path]:
+def _model_per_user(users: Sequence[UserExamples], work: LocalRound, vectorized: bool | None,
+                    chunk_size: int | None) -> tuple[Contribution, dict[str, float], Path]:
     """The vectorized or the sequential path (:func:`select_path`), with the vmap fallback of :func:`contribution`."""
-    model = kwargs["model"]
-    path, _ = select_path(model, vectorized, kwargs["params"].device)
+    model = work.model
+    path, _ = select_path(model, vectorized, work.params.device)
     if path == "vectorized":
         try:
-            result, metrics = users_contribution(users, chunk_size=chunk_size, **kwargs)
+            result, metrics = users_contribution(users, work, chunk_size=chunk_size)
             return result, metrics, path
         except RuntimeError as error:
             if vectorized or not _untraceable(error):
@@ -446,7 +408,7 @@ def _model_per_user(users: Sequence[UserExamples], vectorized: bool | None, chun
                 _reported_fallbacks.add(name)
                 log.warning("training users one at a time: %s cannot be vectorized over users with torch.func "
                             "(%s: %s)", name, type(error).__name__, str(error).splitlines()[0])
-    result, metrics = sequential.users_contribution(users, **kwargs)
+    result, metrics = sequential.users_contribution(users, work)
     return result, metrics, "sequential"
 
 
