@@ -55,7 +55,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from fed_dp.clients.task import Examples, Loss
-from fed_dp.clients.training import LocalRound, UserExamples, check_finite_loss, node_metrics
+from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
+                                     node_metrics)
 from fed_dp.clipping import clip_factors, round_down_float32, row_norms
 from fed_dp.config import LocalTraining
 from fed_dp.contribution import Contribution
@@ -91,8 +92,8 @@ def one_step(training: LocalTraining, n: int) -> bool:
     """Whether a user with n examples trains one full-batch step: one minibatch of all m = min(n, cap) examples
     (the permutation of that minibatch does not change its gradient), and no weight decay (momentum does not act
     on a first step)."""
-    m = training.examples_used(n)
-    return m > 0 and not training.weight_decay and training.schedule(n) == [(0, 0, m)]
+    m = examples_used(training, n)
+    return m > 0 and not training.weight_decay and local_schedule(training, n) == [(0, 0, m)]
 
 
 def one_step_users(users: Sequence[UserExamples], training: LocalTraining) -> tuple[list[UserExamples], list[UserExamples]]:
@@ -563,7 +564,7 @@ def _chunks(users: Sequence[UserExamples], training: LocalTraining,
         if not one_step(training, n):
             raise ValueError(f"users {[index for index, _ in group][:5]} train more than one full-batch step; this "
                              "path trains one")
-        m = training.examples_used(n)
+        m = examples_used(training, n)
         per_user = sum(t[:m].numel() * t.element_size() for t in group[0][1].fields)
         size = max(1, budget // 8 // max(1, per_user))
         out.extend((n, m, group[i:i + size]) for i in range(0, len(group), size))

@@ -149,11 +149,41 @@ def user_generator(seed: int, round_index: int, user_id: int) -> torch.Generator
     return torch.Generator().manual_seed(mixed % (2**63 - 1))
 
 
+def examples_used(training: LocalTraining, n: int) -> int:
+    """How many of a user's n examples it trains on: min(n, max_examples)."""
+    return n if training.max_examples is None else min(n, training.max_examples)
+
+
+def local_schedule(training: LocalTraining, n: int) -> list[tuple[int, int, int]]:
+    """The minibatches of a user with n examples: (epoch, start, stop) into that epoch's permutation.
+
+    With m = :func:`examples_used` and s = ⌈m / batch_size⌉ steps per epoch: step k is minibatch k mod s of
+    epoch ⌊k / s⌋; there are ``epochs``·s steps, or ``steps``. Users with the same m have the same schedule (what
+    lets the vectorized path train them together). Empty for m = 0.
+    """
+    m = examples_used(training, n)
+    if m == 0:
+        return []
+    per_epoch = math.ceil(m / training.batch_size)
+    total = training.steps if training.steps is not None else training.epochs * per_epoch
+    batches = []
+    for k in range(total):
+        start = (k % per_epoch) * training.batch_size
+        batches.append((k // per_epoch, start, min(start + training.batch_size, m)))
+    return batches
+
+
+def epochs_needed(training: LocalTraining, n: int) -> int:
+    """Permutations a user with n examples draws: one per epoch its schedule touches."""
+    schedule = local_schedule(training, n)
+    return schedule[-1][0] + 1 if schedule else 0
+
+
 def minibatch_orders(n: int, training: LocalTraining, generator: torch.Generator) -> list[torch.Tensor]:
     """One permutation of the user's m = min(n, max_examples) examples per epoch its schedule touches, drawn
     from ``generator`` on the CPU in epoch order (the vectorized path draws the same ones)."""
-    m = training.examples_used(n)
-    return [torch.randperm(m, generator=generator, device="cpu") for _ in range(training.epochs_needed(n))]
+    m = examples_used(training, n)
+    return [torch.randperm(m, generator=generator, device="cpu") for _ in range(epochs_needed(training, n))]
 
 
 def scalar_loss(value: object, user: object) -> torch.Tensor:
@@ -278,7 +308,7 @@ def local_delta(
         with torch.no_grad():
             flat.load(params)
         losses = []
-        for epoch, start, stop in training.schedule(len(examples)):
+        for epoch, start, stop in local_schedule(training, len(examples)):
             flat.grads.zero_()
             value = scalar_loss(loss(model, examples.select(orders[epoch][start:stop])), user)
             value.backward()
@@ -295,7 +325,7 @@ def local_delta(
     trained = [(name, named[name]) for name in layout.names]
     buffers: dict[str, torch.Tensor] = {}
     losses = []
-    for epoch, start, stop in training.schedule(len(examples)):
+    for epoch, start, stop in local_schedule(training, len(examples)):
         model.zero_grad(set_to_none=True)
         value = scalar_loss(loss(model, examples.select(orders[epoch][start:stop])), user)
         value.backward()

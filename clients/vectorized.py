@@ -5,7 +5,7 @@ For every user i of the cohort, starting from the broadcast θ = θ_{t−1}:
 
     π_{i,e} = torch.randperm(m_i, generator=g_i) for every epoch e the schedule touches
                                                       (g_i = user_generator(seed, t, i); m_i = min(n_i, cap))
-    for every minibatch (e, k) of LocalTraining.schedule(n_i):   b = π_{i,e}[k·B : (k+1)·B]
+    for every minibatch (e, k) of local_schedule(training, n_i) (clients.training):   b = π_{i,e}[k·B : (k+1)·B]
         ℓ_i = loss(f(θ_i; ·), batch b of user i)          (the task's loss, e.g. mean cross-entropy)
         g = ∇ℓ_i + λ·θ_i ;  m_i = g, then μ·m_i + g ;  θ_i ← θ_i − η·m_i      (LocalTraining's SGD)
     Δ_i = θ_i − θ
@@ -59,8 +59,8 @@ from torch.nn.modules.dropout import _DropoutNd
 from fed_dp.clients import one_step
 from fed_dp.clients import training as sequential
 from fed_dp.clients.task import Examples
-from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, minibatch_orders, node_metrics,
-                                     require_examples, scalar_loss, user_generator)
+from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
+                                     minibatch_orders, node_metrics, require_examples, scalar_loss, user_generator)
 from fed_dp.clipping import clip_rows
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.contribution import Contribution
@@ -279,11 +279,11 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *,
 
     groups: dict[int, list[UserExamples]] = {}
     for index, examples in users:
-        groups.setdefault(training.examples_used(len(examples)), []).append((index, examples))
+        groups.setdefault(examples_used(training, len(examples)), []).append((index, examples))
 
     lr, momentum, weight_decay = training.lr, training.momentum, training.weight_decay
     for m, group in sorted(groups.items()):
-        schedule = training.schedule(m)
+        schedule = local_schedule(training, m)
         for c0 in range(0, len(group), chunk_size):
             chunk = group[c0 : c0 + chunk_size]
             size = len(chunk)

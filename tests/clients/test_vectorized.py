@@ -175,10 +175,10 @@ def test_local_optimizer_options_agree_between_paths_and_with_torch_sgd(training
     sgd = torch.optim.SGD(reference.parameters(), lr=training.lr, momentum=training.momentum,
                           weight_decay=training.weight_decay)
     generator = seq.user_generator(5, 3, index)
-    m = training.examples_used(len(examples))
-    orders = [torch.randperm(m, generator=generator) for _ in range(training.epochs_needed(len(examples)))]
+    m = seq.examples_used(training, len(examples))
+    orders = [torch.randperm(m, generator=generator) for _ in range(seq.epochs_needed(training, len(examples)))]
     steps = 0
-    for epoch, start, stop in training.schedule(len(examples)):
+    for epoch, start, stop in seq.local_schedule(training, len(examples)):
         sgd.zero_grad()
         losses.classification(reference, examples.select(orders[epoch][start:stop])).backward()
         sgd.step()
