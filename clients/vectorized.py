@@ -62,6 +62,7 @@ from fed_dp.clients.task import Examples
 from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
                                      minibatch_orders, node_metrics, require_examples, scalar_loss, user_generator)
 from fed_dp.clipping import clip_rows
+from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.contribution import Contribution
 
@@ -250,77 +251,20 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *,
     sequential path, for a loss that is not a scalar or becomes NaN/Inf (naming the user), a non-finite
     update, or an invalid ζ or scale.
     """
-    model, layout, training, loss, scale = work.model, work.layout, work.training, work.loss, work.scale
-    clip_norm, round_index, seed = work.clip_norm, work.round_index, work.seed
-    ok, reason = can_vectorize(model)
-    if not ok:
-        raise ValueError(f"cannot vectorize local training over users: {reason}")
-    require_examples(users)
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(work.params.device))
-    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    _check_layout(model, layout)
-    params = work.params.detach()
-    if params.ndim != 1 or params.numel() != layout.size:
-        raise ValueError(f"params must be a flat vector of {layout.size} values, got shape {tuple(params.shape)}")
-    if scale is not None:
-        _check_scale(scale, params)
-    device = params.device
-
+    params, chunk_size = _checked(users, work, chunk_size)
+    scale, clip_norm, device = work.scale, work.clip_norm, params.device
     total = torch.zeros_like(params)
     squares = torch.zeros_like(params) if work.send_squares else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float64, device=device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
-    offsets = [0]
-    for spec in layout.specs:
-        offsets.append(offsets[-1] + spec.numel)
-
-    groups: dict[int, list[UserExamples]] = {}
-    for index, examples in users:
-        groups.setdefault(examples_used(training, len(examples)), []).append((index, examples))
-
-    lr, momentum, weight_decay = training.lr, training.momentum, training.weight_decay
-    for m, group in sorted(groups.items()):
-        schedule = local_schedule(training, m)
+    for m, group in sorted(_by_examples_used(users, work.training).items()):
         for c0 in range(0, len(group), chunk_size):
             chunk = group[c0 : c0 + chunk_size]
-            size = len(chunk)
-            # Minibatch order of every user: its own generator, one randperm per epoch (as sequentially).
-            orders = [torch.stack(minibatch_orders(len(examples), training, user_generator(seed, round_index, index)))
-                      for index, examples in chunk]
-            order = torch.stack(orders).to(device)  # (C, E, m)
-            fields, structure = _stack(chunk, m, device)  # (C, m, ...) per field
-            rows = torch.arange(size, device=device).unsqueeze(1)
-
-            def loss_fn(p: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
-                return scalar_loss(loss(FunctionalModel(model, p), structure.structure(batch)), chunk[0][0])
-
-            step = vmap(grad_and_value(loss_fn))
-            # θ_i for every user of the chunk: one (C, d) matrix, the model's tensors are views of it.
-            flat = params.unsqueeze(0).repeat(size, 1)
-            views = {
-                spec.name: flat[:, start:stop].view(size, *spec.shape)
-                for spec, start, stop in zip(layout.specs, offsets[:-1], offsets[1:])
-            }
-            buffers: dict[str, torch.Tensor] = {}
-            step_losses = []
-            for epoch, start, stop in schedule:
-                batch = order[:, epoch, start:stop]  # (C, b)
-                grads, value = step(views, *[field[rows, batch] for field in fields])
-                with torch.no_grad():
-                    for name, view in views.items():
-                        g = grads[name] + weight_decay * view if weight_decay else grads[name]
-                        if momentum:
-                            buffer = buffers.get(name)
-                            g = buffers[name] = g.clone() if buffer is None else buffer.mul_(momentum).add_(g)
-                        view -= lr * g
-                step_losses.append(value.detach())
-            user_losses = torch.stack(step_losses, dim=1).double().mean(dim=1)  # (C,)
+            flat, user_losses = _train_chunk(chunk, m, work, params)
             bad = ~torch.isfinite(user_losses)
             if bool(bad.any()):
-                check_finite_loss(float(user_losses[bad][0]), chunk[int(bad.nonzero()[0])][0], round_index)
+                check_finite_loss(float(user_losses[bad][0]), chunk[int(bad.nonzero()[0])][0], work.round_index)
             loss_sum += user_losses.sum()
             deltas = flat.sub_(params)  # Δ_i = θ_i − θ, row-wise, in place
             if scale is not None:
@@ -335,6 +279,78 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *,
     count = len(users)
     return Contribution(total, count, squares, source=work.source, unclipped=count - int(clipped),
                         scaled=scale is not None), node_metrics(count, float(loss_sum), float(norm_sum), int(clipped))
+
+
+def _checked(users: Sequence[UserExamples], work: LocalRound, chunk_size: int | None) -> tuple[torch.Tensor, int]:
+    """The flat θ (detached) and the chunk size, after checking the model, the users, θ's shape and the scale."""
+    ok, reason = can_vectorize(work.model)
+    if not ok:
+        raise ValueError(f"cannot vectorize local training over users: {reason}")
+    require_examples(users)
+    layout = work.layout
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(work.params.device))
+    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    _check_layout(work.model, layout)
+    params = work.params.detach()
+    if params.ndim != 1 or params.numel() != layout.size:
+        raise ValueError(f"params must be a flat vector of {layout.size} values, got shape {tuple(params.shape)}")
+    if work.scale is not None:
+        _check_scale(work.scale, params)
+    return params, chunk_size
+
+
+def _by_examples_used(users: Sequence[UserExamples], training: LocalTraining) -> dict[int, list[UserExamples]]:
+    """Users grouped by how many examples they train on: a group shares one minibatch schedule."""
+    groups: dict[int, list[UserExamples]] = {}
+    for index, examples in users:
+        groups.setdefault(examples_used(training, len(examples)), []).append((index, examples))
+    return groups
+
+
+def _train_chunk(chunk: Sequence[UserExamples], m: int, work: LocalRound,
+                 params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local training of a chunk of users with m examples each, from θ: their trained θ_i as one (C, d) matrix and
+    each user's mean minibatch loss (C,), float64."""
+    model, layout, training, device = work.model, work.layout, work.training, params.device
+    size = len(chunk)
+    # Minibatch order of every user: its own generator, one randperm per epoch (as sequentially).
+    orders = [torch.stack(minibatch_orders(len(examples), training, user_generator(work.seed, work.round_index, index)))
+              for index, examples in chunk]
+    order = torch.stack(orders).to(device)  # (C, E, m)
+    fields, structure = _stack(chunk, m, device)  # (C, m, ...) per field
+    rows = torch.arange(size, device=device).unsqueeze(1)
+
+    def loss_fn(p: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
+        return scalar_loss(work.loss(FunctionalModel(model, p), structure.structure(batch)), chunk[0][0])
+
+    step = vmap(grad_and_value(loss_fn))
+    # θ_i for every user of the chunk: one (C, d) matrix, the model's tensors are views of it.
+    flat = params.unsqueeze(0).repeat(size, 1)
+    views, start = {}, 0
+    for spec in layout.specs:
+        views[spec.name] = flat[:, start : start + spec.numel].view(size, *spec.shape)
+        start += spec.numel
+    buffers: dict[str, torch.Tensor] = {}
+    step_losses = []
+    for epoch, begin, stop in local_schedule(training, m):
+        grads, value = step(views, *[field[rows, order[:, epoch, begin:stop]] for field in fields])
+        _sgd_step(views, grads, buffers, training)
+        step_losses.append(value.detach())
+    return flat, torch.stack(step_losses, dim=1).double().mean(dim=1)
+
+
+@torch.no_grad()
+def _sgd_step(views: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+              training: LocalTraining) -> None:
+    """torch.optim.SGD's step on every user's θ_i at once (``LocalTraining``: weight decay, momentum, lr)."""
+    for name, view in views.items():
+        g = grads[name] + training.weight_decay * view if training.weight_decay else grads[name]
+        if training.momentum:
+            buffer = buffers.get(name)
+            g = buffers[name] = g.clone() if buffer is None else buffer.mul_(training.momentum).add_(g)
+        view -= training.lr * g
 
 
 #: Errors of torch.func that mean "this model or loss cannot be traced by vmap" (data-dependent control flow,
