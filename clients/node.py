@@ -28,7 +28,7 @@ from flwr.app import Message
 
 from fed_dp.clients import protocol
 from fed_dp.clients.task import Task, Users
-from fed_dp.clients.training import keep_freed_memory, resolve_device, use_fast_format
+from fed_dp.clients.training import LocalRound, keep_freed_memory, resolve_device, use_fast_format
 from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
@@ -123,12 +123,11 @@ class LocalTrainer:
         """Σ of the clipped updates of ``users`` (indices) trained from the flat θ ``params``, their count (and
         Σu²), the training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`)."""
         examples = [(int(u), self.users[int(u)]) for u in users]
-        return contribution(
-            examples, params=params.to(self.device), round_index=round_index, clip_norm=clip_norm,
-            scale=None if scale is None else scale.to(self.device), send_squares=send_squares, model=self.model,
-            layout=self.layout, training=self.local, loss=self.task.loss, seed=seed, source=source,
-            vectorized=self.vectorized, chunk_size=self.chunk_size,
-        )
+        work = LocalRound(params=params.to(self.device), round_index=round_index, clip_norm=clip_norm,
+                          scale=None if scale is None else scale.to(self.device), send_squares=send_squares,
+                          model=self.model, layout=self.layout, training=self.local, loss=self.task.loss, seed=seed,
+                          source=source)
+        return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
 
 
 def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] | None = None) -> Message:

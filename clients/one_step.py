@@ -55,7 +55,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from fed_dp.clients.task import Examples, Loss
-from fed_dp.clients.training import UserExamples, check_finite_loss
+from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
+                                     node_metrics)
 from fed_dp.clipping import clip_factors, round_down_float32, row_norms
 from fed_dp.config import LocalTraining
 from fed_dp.contribution import Contribution
@@ -72,6 +73,15 @@ DEFAULT_CHUNK_BYTES = 512 * 2**20
 SUPPORTED = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.GroupNorm)
 
 
+#: What ``vectorized.contribution``'s auto choice lets this path spend per user on norms beyond a per-user path's
+#: own work (:meth:`_PerUser.extra_macs`): 2^20 multiply-adds. Measured on 2 CPU cores, one torch thread, against
+#: the sequential path: closed-form norms (seed 003's one-example users, rank one) and small Gram matrices (the
+#: main job's two-example users, Q = 2) make this path 10-30x faster; materializing G_u over hundreds of positions
+#: made it 2x slower (a 10,000-word output layer, ~260 tokens a user: 15.6M extra per user) and 6x slower (the W1
+#: CNN's convolutions, 32 images a user), so those users train with a model per user.
+AUTO_MAX_EXTRA_MACS = 2**20
+
+
 class Unsupported(Exception):
     """This model or loss cannot be trained on this path (the message says why)."""
 
@@ -82,8 +92,8 @@ def one_step(training: LocalTraining, n: int) -> bool:
     """Whether a user with n examples trains one full-batch step: one minibatch of all m = min(n, cap) examples
     (the permutation of that minibatch does not change its gradient), and no weight decay (momentum does not act
     on a first step)."""
-    m = training.examples_used(n)
-    return m > 0 and not training.weight_decay and training.schedule(n) == [(0, 0, m)]
+    m = examples_used(training, n)
+    return m > 0 and not training.weight_decay and local_schedule(training, n) == [(0, 0, m)]
 
 
 def one_step_users(users: Sequence[UserExamples], training: LocalTraining) -> tuple[list[UserExamples], list[UserExamples]]:
@@ -203,6 +213,11 @@ class _PerUser:
     def weighted_squares(self, w_sq: torch.Tensor) -> torch.Tensor:  # Σ_u w_u² G_u ⊙ G_u, flat
         raise NotImplementedError
 
+    def extra_macs(self, scaled: bool, squares: bool) -> int:
+        """Multiply-adds this path spends on the chunk's norms and squares beyond what training the users one at a
+        time would (their backward pass forms each G_u once anyway): 0 where G_u is a closed form or small."""
+        return 0
+
 
 @dataclass
 class _Dense(_PerUser):
@@ -279,6 +294,16 @@ class _Outer(_PerUser):
         e = self._p() * scale_max * _gamma(q + 2)  # ‖s ⊙ (G − Ĝ)‖ ≤ max s · γ_Q P
         root = (computed.value + computed.error).sqrt() * (1 + 2 * _U64)
         return _SquaredNorms(computed.value, computed.error + (2 * root * e + e.square()) * (1 + 8 * _U64))
+
+    def extra_macs(self, scaled, squares):
+        """Rank one: none. Otherwise the Gram matrices, C·Q²·(k + o), where they give the norm; G_u materialized,
+        C·Q·k·o (float64), where they do not or where the scale needs G_u; once more (float32) for the squares."""
+        c, q, k = self.x.shape
+        o = self.d.shape[2]
+        if self._rank_one():
+            return 0
+        norms = c * q * q * (k + o) if not scaled and self.ghost_cheaper() else c * q * k * o
+        return norms + (c * q * k * o if squares else 0)
 
     def ghost_cheaper(self) -> bool:
         """Gram matrices (Q² (k + o) per user) against the gradient itself (Q k o per user)."""
@@ -539,7 +564,7 @@ def _chunks(users: Sequence[UserExamples], training: LocalTraining,
         if not one_step(training, n):
             raise ValueError(f"users {[index for index, _ in group][:5]} train more than one full-batch step; this "
                              "path trains one")
-        m = training.examples_used(n)
+        m = examples_used(training, n)
         per_user = sum(t[:m].numel() * t.element_size() for t in group[0][1].fields)
         size = max(1, budget // 8 // max(1, per_user))
         out.extend((n, m, group[i:i + size]) for i in range(0, len(group), size))
@@ -560,33 +585,35 @@ def _update_norms(result: _Chunk, offsets: dict[str, tuple[int, int]], scale_sq:
     return (total.value + total.error).sqrt() * (lr * (1 + _gamma(2 * layers + 4)))
 
 
-def users_contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-    budget_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> tuple[Contribution, dict[str, float]]:
+def _cost_refusal(result: _Chunk, users: int, *, scaled: bool, squares: bool, limit: float) -> None:
+    """Raise ``Unsupported`` when this chunk's extra multiply-adds per user exceed ``limit``, naming the layers."""
+    costs = {name: grads.extra_macs(scaled, squares) / users for name, grads in result.grads.items()}
+    if sum(costs.values()) > limit:
+        worst = sorted((name for name in costs if costs[name] > 0), key=costs.get, reverse=True)[:3]  # type: ignore[arg-type]
+        raise Unsupported(
+            f"per-user norms would cost {sum(costs.values()):.3g} extra multiply-adds per user (over "
+            f"{limit:.3g}; most in {', '.join(worst)}): materializing per-user gradients over many positions is "
+            "slower than training each user's own model")
+
+
+def users_contribution(users: Sequence[UserExamples], work: LocalRound, *, budget_bytes: int = DEFAULT_CHUNK_BYTES,
+                       max_extra_macs: float | None = None) -> tuple[Contribution, dict[str, float]]:
     """``clients.training.users_contribution`` for users whose update is one full-batch step (:func:`one_step`):
-    the same arguments (``seed`` is not needed: a full batch has no order that matters) and the same return value.
+    the same arguments (``work.seed`` is not needed: a full batch has no order that matters) and the same return
+    value.
 
     Raises ``Unsupported`` (caught by :func:`fed_dp.clients.vectorized.contribution`, which then takes the usual
-    path) for what this path cannot train, before anything is summed; ValueError, like the other paths, for a loss
-    that becomes NaN/Inf or a non-finite update (naming the user).
+    path) for what this path cannot train, before anything is summed, and, with ``max_extra_macs`` (the auto
+    choice passes :data:`AUTO_MAX_EXTRA_MACS`), when the first chunk shows that its norms would cost more than that
+    many multiply-adds per user beyond a per-user path's work (:func:`_cost_refusal`); ValueError, like the other
+    paths, for a loss that becomes NaN/Inf or a non-finite update (naming the user).
     """
+    params, model, layout, loss, scale = work.params, work.model, work.layout, work.loss, work.scale
+    clip_norm, round_index, send_squares = work.clip_norm, work.round_index, work.send_squares
     reason = unsupported_reason(model, loss)
     if reason:
         raise Unsupported(reason)
-    device, lr = params.device, training.lr
+    device, lr = params.device, work.training.lr
     names = {id(p): name for name, p in model.named_parameters()}
     offsets, start = {}, 0
     for spec in layout.specs:
@@ -600,7 +627,7 @@ def users_contribution(
     squares = torch.zeros_like(params) if send_squares else None
     loss_sum, norm_sum, clipped = 0.0, 0.0, 0
     verified = getattr(model, "_fed_dp_one_step_verified", None) is loss
-    for n, m, chunk in _chunks(users, training, budget_bytes):
+    for n, m, chunk in _chunks(users, work.training, budget_bytes):
         examples = _stack(chunk, n, m, device)
         size = len(chunk)
         if not verified:
@@ -609,6 +636,9 @@ def users_contribution(
         bad_loss = ~torch.isfinite(result.losses)
         if bool(bad_loss.any()):
             check_finite_loss(float(result.losses[bad_loss][0]), chunk[int(bad_loss.nonzero()[0])][0], round_index)
+        if max_extra_macs is not None:
+            _cost_refusal(result, size, scaled=scale is not None, squares=send_squares, limit=max_extra_macs)
+            max_extra_macs = None  # decided on the first chunk
         if not verified:
             _verify(model, loss, examples, size, layout, names, result)
             model._fed_dp_one_step_verified = loss
@@ -631,10 +661,5 @@ def users_contribution(
         norm_sum += float(norms.sum())
         clipped += int((norms > clip_norm).sum())
     count = len(users)
-    metrics = {
-        "train_loss": loss_sum / count if count else math.nan,
-        "mean_update_norm": norm_sum / count if count else math.nan,
-        "fraction_clipped": clipped / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source=source, unclipped=count - clipped,
-                        scaled=scale is not None), metrics
+    return Contribution(total, count, squares, source=work.source, unclipped=count - clipped,
+                        scaled=scale is not None), node_metrics(count, loss_sum, norm_sum, clipped)

@@ -26,6 +26,7 @@ import ctypes
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,6 +39,35 @@ from fed_dp.contribution import Contribution
 
 #: (user index, that user's examples): what a node trains in a round.
 UserExamples = tuple[int, Examples]
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    """What every training path needs to train a node's users in round ``round_index``: the broadcast (the flat
+    θ_{t−1} ``params``, the clip ζ, s_t for scale-then-privatize, whether Σu² is sent, the training ``seed``) and the
+    node's own ``model``, its ``layout``, ``training`` and ``loss``; ``source`` names the node in a Contribution."""
+
+    params: torch.Tensor
+    round_index: int
+    clip_norm: float
+    scale: torch.Tensor | None
+    send_squares: bool
+    model: nn.Module
+    layout: ParamLayout
+    training: LocalTraining
+    loss: Loss
+    seed: int
+    source: str = ""
+
+
+def node_metrics(count: int, loss_sum: float, norm_sum: float, clipped: int) -> dict[str, float]:
+    """A node's training metrics over ``count`` users: mean loss, mean update norm (before clipping), fraction
+    clipped; NaN for no users."""
+    return {
+        "train_loss": loss_sum / count if count else math.nan,
+        "mean_update_norm": norm_sum / count if count else math.nan,
+        "fraction_clipped": clipped / count if count else math.nan,
+    }
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -119,11 +149,41 @@ def user_generator(seed: int, round_index: int, user_id: int) -> torch.Generator
     return torch.Generator().manual_seed(mixed % (2**63 - 1))
 
 
+def examples_used(training: LocalTraining, n: int) -> int:
+    """How many of a user's n examples it trains on: min(n, max_examples)."""
+    return n if training.max_examples is None else min(n, training.max_examples)
+
+
+def local_schedule(training: LocalTraining, n: int) -> list[tuple[int, int, int]]:
+    """The minibatches of a user with n examples: (epoch, start, stop) into that epoch's permutation.
+
+    With m = :func:`examples_used` and s = ⌈m / batch_size⌉ steps per epoch: step k is minibatch k mod s of
+    epoch ⌊k / s⌋; there are ``epochs``·s steps, or ``steps``. Users with the same m have the same schedule (what
+    lets the vectorized path train them together). Empty for m = 0.
+    """
+    m = examples_used(training, n)
+    if m == 0:
+        return []
+    per_epoch = math.ceil(m / training.batch_size)
+    total = training.steps if training.steps is not None else training.epochs * per_epoch
+    batches = []
+    for k in range(total):
+        start = (k % per_epoch) * training.batch_size
+        batches.append((k // per_epoch, start, min(start + training.batch_size, m)))
+    return batches
+
+
+def epochs_needed(training: LocalTraining, n: int) -> int:
+    """Permutations a user with n examples draws: one per epoch its schedule touches."""
+    schedule = local_schedule(training, n)
+    return schedule[-1][0] + 1 if schedule else 0
+
+
 def minibatch_orders(n: int, training: LocalTraining, generator: torch.Generator) -> list[torch.Tensor]:
     """One permutation of the user's m = min(n, max_examples) examples per epoch its schedule touches, drawn
     from ``generator`` on the CPU in epoch order (the vectorized path draws the same ones)."""
-    m = training.examples_used(n)
-    return [torch.randperm(m, generator=generator, device="cpu") for _ in range(training.epochs_needed(n))]
+    m = examples_used(training, n)
+    return [torch.randperm(m, generator=generator, device="cpu") for _ in range(epochs_needed(training, n))]
 
 
 def scalar_loss(value: object, user: object) -> torch.Tensor:
@@ -248,7 +308,7 @@ def local_delta(
         with torch.no_grad():
             flat.load(params)
         losses = []
-        for epoch, start, stop in training.schedule(len(examples)):
+        for epoch, start, stop in local_schedule(training, len(examples)):
             flat.grads.zero_()
             value = scalar_loss(loss(model, examples.select(orders[epoch][start:stop])), user)
             value.backward()
@@ -265,7 +325,7 @@ def local_delta(
     trained = [(name, named[name]) for name in layout.names]
     buffers: dict[str, torch.Tensor] = {}
     losses = []
-    for epoch, start, stop in training.schedule(len(examples)):
+    for epoch, start, stop in local_schedule(training, len(examples)):
         model.zero_grad(set_to_none=True)
         value = scalar_loss(loss(model, examples.select(orders[epoch][start:stop])), user)
         value.backward()
@@ -283,38 +343,25 @@ def local_delta(
     return flat - params, float(torch.stack(losses).double().mean()) if losses else math.nan
 
 
-def users_contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-) -> tuple[Contribution, dict[str, float]]:
+def users_contribution(users: Sequence[UserExamples], work: LocalRound) -> tuple[Contribution, dict[str, float]]:
     """Train each (user index, examples), clip its update in the broadcast geometry; return Σu, count (and Σu²).
 
     Runs on ``params.device``: the model must be there; each user's examples are moved there (and to the fast
     memory format, :func:`use_fast_format`), one user at a time. Raises ValueError naming the user for a loss
     that is not a scalar or becomes NaN/Inf, and for a non-finite update.
     """
+    params, scale, round_index, seed = work.params, work.scale, work.round_index, work.seed
     require_examples(users)
-    memory_format = use_fast_format(model, users)
+    memory_format = use_fast_format(work.model, users)
     total = torch.zeros_like(params)
-    squares = torch.zeros_like(params) if send_squares else None
+    squares = torch.zeros_like(params) if work.send_squares else None
     losses, norms, clipped = [], [], 0
     for index, examples in users:
         examples = examples.to(params.device, memory_format)
-        delta, mean_loss = local_delta(model, layout, params, examples, training, loss,
+        delta, mean_loss = local_delta(work.model, work.layout, params, examples, work.training, work.loss,
                                        user_generator(seed, round_index, index), user=index)
         check_finite_loss(mean_loss, index, round_index)
-        result = clip_update(delta, clip_norm) if scale is None else clip_scaled(delta, scale, clip_norm)
+        result = clip_update(delta, work.clip_norm) if scale is None else clip_scaled(delta, scale, work.clip_norm)
         total += result.update
         if squares is not None:
             squares += result.update.square()
@@ -322,10 +369,5 @@ def users_contribution(
         norms.append(result.norm)
         clipped += result.clipped
     count = len(users)
-    metrics = {
-        "train_loss": sum(losses) / count if count else math.nan,
-        "mean_update_norm": sum(norms) / count if count else math.nan,
-        "fraction_clipped": clipped / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source=source, unclipped=count - clipped,
-                        scaled=scale is not None), metrics
+    return Contribution(total, count, squares, source=work.source, unclipped=count - clipped,
+                        scaled=scale is not None), node_metrics(count, sum(losses), sum(norms), clipped)

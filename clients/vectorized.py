@@ -5,7 +5,7 @@ For every user i of the cohort, starting from the broadcast θ = θ_{t−1}:
 
     π_{i,e} = torch.randperm(m_i, generator=g_i) for every epoch e the schedule touches
                                                       (g_i = user_generator(seed, t, i); m_i = min(n_i, cap))
-    for every minibatch (e, k) of LocalTraining.schedule(n_i):   b = π_{i,e}[k·B : (k+1)·B]
+    for every minibatch (e, k) of local_schedule(training, n_i) (clients.training):   b = π_{i,e}[k·B : (k+1)·B]
         ℓ_i = loss(f(θ_i; ·), batch b of user i)          (the task's loss, e.g. mean cross-entropy)
         g = ∇ℓ_i + λ·θ_i ;  m_i = g, then μ·m_i + g ;  θ_i ← θ_i − η·m_i      (LocalTraining's SGD)
     Δ_i = θ_i − θ
@@ -45,21 +45,22 @@ users sequentially (the same arithmetic, so nothing about the result changes but
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.dropout import _DropoutNd
 
 from fed_dp.clients import one_step
 from fed_dp.clients import training as sequential
-from fed_dp.clients.task import Examples, Loss
-from fed_dp.clients.training import (UserExamples, check_finite_loss, minibatch_orders, require_examples, scalar_loss,
-                                     user_generator)
+from fed_dp.clients.task import Examples
+from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
+                                     minibatch_orders, node_metrics, require_examples, scalar_loss, user_generator)
 from fed_dp.clipping import clip_rows
 from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
@@ -76,6 +77,7 @@ __all__ = [
     "contribution",
     "path_metrics",
     "select_path",
+    "vectorizes_on_cpu",
     "users_contribution",
 ]
 
@@ -141,21 +143,43 @@ def can_vectorize(model: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+#: The largest model the auto choice vectorizes on a CPU. Measured on 2 cores, one torch thread, a few rounds of
+#: each workload, vectorized against sequential: linear models of 448 to 8,255 parameters (heavy-tail-quick,
+#: seed000-adagrad-1d, the main job with one-step training switched off) 3-5x faster; the 130,012-parameter
+#: bigram language model (embedding, LayerNorm, 10,000-word output layer) 1.7x slower. The bound lies between.
+CPU_VECTORIZE_MAX_PARAMS = 2**15
+
+
+def vectorizes_on_cpu(model: nn.Module) -> tuple[bool, str]:
+    """Whether vmap over users beats one user at a time on a CPU for ``model``, and why not: no convolution
+    (vmap turns a per-user convolution into a grouped one, whose CPU backward kernel is several times slower than
+    the per-user kernels: the W1 CNN trains 3x slower vectorized) and at most :data:`CPU_VECTORIZE_MAX_PARAMS`
+    parameters (per-user copies of a larger model cost more memory traffic than the per-user loop's overhead)."""
+    for name, module in model.named_modules():
+        if isinstance(module, _ConvNd):
+            return False, f"it has a convolution ({name}: {type(module).__name__})"
+    size = sum(p.numel() for p in model.parameters())
+    if size > CPU_VECTORIZE_MAX_PARAMS:
+        return False, f"{size:,} parameters, more than {CPU_VECTORIZE_MAX_PARAMS:,}"
+    return True, ""
+
+
 def select_path(model: nn.Module, vectorized: bool | None = None,
                 device: torch.device | str | None = None) -> tuple[Path, str]:
     """Which path :func:`contribution` takes for ``model`` on ``device``: ``(path, reason)``.
 
-    ``vectorized=None`` (auto): ``"vectorized"`` on a CUDA device when :func:`can_vectorize` allows it;
-    ``"sequential"`` on the CPU (measured faster on the 2-core CPUs here: vmap turns a per-user
-    convolution into a grouped one, whose CPU backward kernel is 3–4× slower than the per-user kernels;
-    ``fed-dp benchmark`` prints both) and for models that cannot be vectorized, with the reason.
+    ``vectorized=None`` (auto): ``"vectorized"`` on a CUDA device when :func:`can_vectorize` allows it; on the
+    CPU only for small models without convolutions (:func:`vectorizes_on_cpu`), ``"sequential"`` for the others
+    and for models that cannot be vectorized, with the reason.
     ``True``: ``"vectorized"`` or a ValueError with the reason. ``False``: ``"sequential"``.
     """
     if vectorized is False:
         return "sequential", "vectorized=False"
     ok, reason = can_vectorize(model)
     if vectorized is None and ok and torch.device(device or "cpu").type == "cpu":
-        return "sequential", "auto on CPU: the sequential path is the faster one there"
+        fits, why = vectorizes_on_cpu(model)
+        if not fits:
+            return "sequential", f"auto on CPU: the sequential path is the faster one for this model ({why})"
     if ok:
         return "vectorized", ""
     if vectorized:
@@ -211,22 +235,8 @@ def _stack(chunk: Sequence[UserExamples], m: int, device: torch.device) -> tuple
     return stacked, first
 
 
-def users_contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-    chunk_size: int | None = None,
-) -> tuple[Contribution, dict[str, float]]:
+def users_contribution(users: Sequence[UserExamples], work: LocalRound, *,
+                       chunk_size: int | None = None) -> tuple[Contribution, dict[str, float]]:
     """Vectorized :func:`fed_dp.clients.training.users_contribution`: same arguments, same return value.
 
     Returns ``Contribution(Σ_i u_i, count, Σ_i u_i ⊙ u_i or None, source)`` and the metrics
@@ -241,75 +251,20 @@ def users_contribution(
     sequential path, for a loss that is not a scalar or becomes NaN/Inf (naming the user), a non-finite
     update, or an invalid ζ or scale.
     """
-    ok, reason = can_vectorize(model)
-    if not ok:
-        raise ValueError(f"cannot vectorize local training over users: {reason}")
-    require_examples(users)
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(params.device))
-    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    _check_layout(model, layout)
-    params = params.detach()
-    if params.ndim != 1 or params.numel() != layout.size:
-        raise ValueError(f"params must be a flat vector of {layout.size} values, got shape {tuple(params.shape)}")
-    if scale is not None:
-        _check_scale(scale, params)
-    device = params.device
-
+    params, chunk_size = _checked(users, work, chunk_size)
+    scale, clip_norm, device = work.scale, work.clip_norm, params.device
     total = torch.zeros_like(params)
-    squares = torch.zeros_like(params) if send_squares else None
+    squares = torch.zeros_like(params) if work.send_squares else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     norm_sum = torch.zeros((), dtype=torch.float64, device=device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
-    offsets = [0]
-    for spec in layout.specs:
-        offsets.append(offsets[-1] + spec.numel)
-
-    groups: dict[int, list[UserExamples]] = {}
-    for index, examples in users:
-        groups.setdefault(training.examples_used(len(examples)), []).append((index, examples))
-
-    lr, momentum, weight_decay = training.lr, training.momentum, training.weight_decay
-    for m, group in sorted(groups.items()):
-        schedule = training.schedule(m)
+    for m, group in sorted(_by_examples_used(users, work.training).items()):
         for c0 in range(0, len(group), chunk_size):
             chunk = group[c0 : c0 + chunk_size]
-            size = len(chunk)
-            # Minibatch order of every user: its own generator, one randperm per epoch (as sequentially).
-            orders = [torch.stack(minibatch_orders(len(examples), training, user_generator(seed, round_index, index)))
-                      for index, examples in chunk]
-            order = torch.stack(orders).to(device)  # (C, E, m)
-            fields, structure = _stack(chunk, m, device)  # (C, m, ...) per field
-            rows = torch.arange(size, device=device).unsqueeze(1)
-
-            def loss_fn(p: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
-                return scalar_loss(loss(FunctionalModel(model, p), structure.structure(batch)), chunk[0][0])
-
-            step = vmap(grad_and_value(loss_fn))
-            # θ_i for every user of the chunk: one (C, d) matrix, the model's tensors are views of it.
-            flat = params.unsqueeze(0).repeat(size, 1)
-            views = {
-                spec.name: flat[:, start:stop].view(size, *spec.shape)
-                for spec, start, stop in zip(layout.specs, offsets[:-1], offsets[1:])
-            }
-            buffers: dict[str, torch.Tensor] = {}
-            step_losses = []
-            for epoch, start, stop in schedule:
-                batch = order[:, epoch, start:stop]  # (C, b)
-                grads, value = step(views, *[field[rows, batch] for field in fields])
-                with torch.no_grad():
-                    for name, view in views.items():
-                        g = grads[name] + weight_decay * view if weight_decay else grads[name]
-                        if momentum:
-                            buffer = buffers.get(name)
-                            g = buffers[name] = g.clone() if buffer is None else buffer.mul_(momentum).add_(g)
-                        view -= lr * g
-                step_losses.append(value.detach())
-            user_losses = torch.stack(step_losses, dim=1).double().mean(dim=1)  # (C,)
+            flat, user_losses = _train_chunk(chunk, m, work, params)
             bad = ~torch.isfinite(user_losses)
             if bool(bad.any()):
-                check_finite_loss(float(user_losses[bad][0]), chunk[int(bad.nonzero()[0])][0], round_index)
+                check_finite_loss(float(user_losses[bad][0]), chunk[int(bad.nonzero()[0])][0], work.round_index)
             loss_sum += user_losses.sum()
             deltas = flat.sub_(params)  # Δ_i = θ_i − θ, row-wise, in place
             if scale is not None:
@@ -322,13 +277,80 @@ def users_contribution(
             clipped += (norms > clip_norm).sum()
 
     count = len(users)
-    metrics = {
-        "train_loss": float(loss_sum) / count if count else math.nan,
-        "mean_update_norm": float(norm_sum) / count if count else math.nan,
-        "fraction_clipped": int(clipped) / count if count else math.nan,
-    }
-    return Contribution(total, count, squares, source=source, unclipped=count - int(clipped),
-                        scaled=scale is not None), metrics
+    return Contribution(total, count, squares, source=work.source, unclipped=count - int(clipped),
+                        scaled=scale is not None), node_metrics(count, float(loss_sum), float(norm_sum), int(clipped))
+
+
+def _checked(users: Sequence[UserExamples], work: LocalRound, chunk_size: int | None) -> tuple[torch.Tensor, int]:
+    """The flat θ (detached) and the chunk size, after checking the model, the users, θ's shape and the scale."""
+    ok, reason = can_vectorize(work.model)
+    if not ok:
+        raise ValueError(f"cannot vectorize local training over users: {reason}")
+    require_examples(users)
+    layout = work.layout
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(work.params.device))
+    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    _check_layout(work.model, layout)
+    params = work.params.detach()
+    if params.ndim != 1 or params.numel() != layout.size:
+        raise ValueError(f"params must be a flat vector of {layout.size} values, got shape {tuple(params.shape)}")
+    if work.scale is not None:
+        _check_scale(work.scale, params)
+    return params, chunk_size
+
+
+def _by_examples_used(users: Sequence[UserExamples], training: LocalTraining) -> dict[int, list[UserExamples]]:
+    """Users grouped by how many examples they train on: a group shares one minibatch schedule."""
+    groups: dict[int, list[UserExamples]] = {}
+    for index, examples in users:
+        groups.setdefault(examples_used(training, len(examples)), []).append((index, examples))
+    return groups
+
+
+def _train_chunk(chunk: Sequence[UserExamples], m: int, work: LocalRound,
+                 params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local training of a chunk of users with m examples each, from θ: their trained θ_i as one (C, d) matrix and
+    each user's mean minibatch loss (C,), float64."""
+    model, layout, training, device = work.model, work.layout, work.training, params.device
+    size = len(chunk)
+    # Minibatch order of every user: its own generator, one randperm per epoch (as sequentially).
+    orders = [torch.stack(minibatch_orders(len(examples), training, user_generator(work.seed, work.round_index, index)))
+              for index, examples in chunk]
+    order = torch.stack(orders).to(device)  # (C, E, m)
+    fields, structure = _stack(chunk, m, device)  # (C, m, ...) per field
+    rows = torch.arange(size, device=device).unsqueeze(1)
+
+    def loss_fn(p: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
+        return scalar_loss(work.loss(FunctionalModel(model, p), structure.structure(batch)), chunk[0][0])
+
+    step = vmap(grad_and_value(loss_fn))
+    # θ_i for every user of the chunk: one (C, d) matrix, the model's tensors are views of it.
+    flat = params.unsqueeze(0).repeat(size, 1)
+    views, start = {}, 0
+    for spec in layout.specs:
+        views[spec.name] = flat[:, start : start + spec.numel].view(size, *spec.shape)
+        start += spec.numel
+    buffers: dict[str, torch.Tensor] = {}
+    step_losses = []
+    for epoch, begin, stop in local_schedule(training, m):
+        grads, value = step(views, *[field[rows, order[:, epoch, begin:stop]] for field in fields])
+        _sgd_step(views, grads, buffers, training)
+        step_losses.append(value.detach())
+    return flat, torch.stack(step_losses, dim=1).double().mean(dim=1)
+
+
+@torch.no_grad()
+def _sgd_step(views: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+              training: LocalTraining) -> None:
+    """torch.optim.SGD's step on every user's θ_i at once (``LocalTraining``: weight decay, momentum, lr)."""
+    for name, view in views.items():
+        g = grads[name] + training.weight_decay * view if training.weight_decay else grads[name]
+        if training.momentum:
+            buffer = buffers.get(name)
+            g = buffers[name] = g.clone() if buffer is None else buffer.mul_(training.momentum).add_(g)
+        view -= training.lr * g
 
 
 #: Errors of torch.func that mean "this model or loss cannot be traced by vmap" (data-dependent control flow,
@@ -341,26 +363,11 @@ def _untraceable(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(marker.lower() in str(error).lower() for marker in _VMAP_MARKERS)
 
 
-def contribution(
-    users: Sequence[UserExamples],
-    *,
-    params: torch.Tensor,
-    round_index: int,
-    clip_norm: float,
-    scale: torch.Tensor | None,
-    send_squares: bool,
-    model: nn.Module,
-    layout: ParamLayout,
-    training: LocalTraining,
-    loss: Loss,
-    seed: int,
-    source: str = "",
-    vectorized: bool | None = None,
-    chunk_size: int | None = None,
-) -> tuple[Contribution, dict[str, float], Path]:
-    """The node's contribution by the one-step, the vectorized or the sequential path, on ``params.device``.
+def contribution(users: Sequence[UserExamples], work: LocalRound, *, vectorized: bool | None = None,
+                 chunk_size: int | None = None) -> tuple[Contribution, dict[str, float], Path]:
+    """The node's contribution by the one-step, the vectorized or the sequential path, on ``work.params.device``.
 
-    Same arguments as ``users_contribution`` plus ``vectorized`` (``None``: auto; ``True``: vectorized or
+    The arguments of ``users_contribution`` plus ``vectorized`` (``None``: auto; ``True``: vectorized or
     ValueError; ``False``: sequential) and ``chunk_size`` (vectorized path only). Returns ``(Contribution, metrics,
     path)``: the first two exactly as ``users_contribution`` returns them (metrics stay floats, ready for a Flower
     MetricRecord) and ``path`` (:data:`Path`), the path that ran.
@@ -370,19 +377,15 @@ def contribution(
     cannot trace them (data-dependent control flow and the like), the reason is logged once per model and those
     users take the next path; with ``vectorized=True`` a vmap error is raised.
     """
-    if scale is not None:
-        scale = scale.to(params.device)  # s_t arrives from the server; it must sit with θ
-    kwargs = {
-        "params": params, "round_index": round_index, "clip_norm": clip_norm, "scale": scale,
-        "send_squares": send_squares, "model": model, "layout": layout, "training": training, "loss": loss,
-        "seed": seed, "source": source,
-    }
+    if work.scale is not None:  # s_t arrives from the server; it must sit with θ
+        work = replace(work, scale=work.scale.to(work.params.device))
+    model = work.model
     mine: Sequence[UserExamples] = []
     if vectorized is None and getattr(model, "_fed_dp_one_step_refused", None) is None:
-        mine, users = one_step.one_step_users(users, training)
+        mine, users = one_step.one_step_users(users, work.training)
     if mine:
         try:
-            fast, fast_metrics = one_step.users_contribution(mine, **kwargs)
+            fast, fast_metrics = one_step.users_contribution(mine, work, max_extra_macs=one_step.AUTO_MAX_EXTRA_MACS)
         except one_step.Unsupported as refusal:
             model._fed_dp_one_step_refused = str(refusal)
             log.warning("training users with a model per user: %s cannot take the one-step path (%s)",
@@ -391,10 +394,10 @@ def contribution(
         else:
             if not users:
                 return fast, fast_metrics, "one-step"
-            rest, rest_metrics, path = _model_per_user(users, vectorized, chunk_size, kwargs)
+            rest, rest_metrics, path = _model_per_user(users, work, vectorized, chunk_size)
             return _merge(fast, rest), _merge_metrics(fast_metrics, len(mine), rest_metrics, len(users)), \
                 f"one-step+{path}"
-    return _model_per_user(users, vectorized, chunk_size, kwargs)
+    return _model_per_user(users, work, vectorized, chunk_size)
 
 
 def path_metrics(path: Path) -> dict[str, float]:
@@ -404,14 +407,14 @@ def path_metrics(path: Path) -> dict[str, float]:
     return {"vectorized": float(path.endswith("vectorized")), "one_step": float(path.startswith("one-step"))}
 
 
-def _model_per_user(users: Sequence[UserExamples], vectorized: bool | None, chunk_size: int | None,
-                    kwargs: dict[str, Any]) -> tuple[Contribution, dict[str, float], Path]:
+def _model_per_user(users: Sequence[UserExamples], work: LocalRound, vectorized: bool | None,
+                    chunk_size: int | None) -> tuple[Contribution, dict[str, float], Path]:
     """The vectorized or the sequential path (:func:`select_path`), with the vmap fallback of :func:`contribution`."""
-    model = kwargs["model"]
-    path, _ = select_path(model, vectorized, kwargs["params"].device)
+    model = work.model
+    path, _ = select_path(model, vectorized, work.params.device)
     if path == "vectorized":
         try:
-            result, metrics = users_contribution(users, chunk_size=chunk_size, **kwargs)
+            result, metrics = users_contribution(users, work, chunk_size=chunk_size)
             return result, metrics, path
         except RuntimeError as error:
             if vectorized or not _untraceable(error):
@@ -421,7 +424,7 @@ def _model_per_user(users: Sequence[UserExamples], vectorized: bool | None, chun
                 _reported_fallbacks.add(name)
                 log.warning("training users one at a time: %s cannot be vectorized over users with torch.func "
                             "(%s: %s)", name, type(error).__name__, str(error).splitlines()[0])
-    result, metrics = sequential.users_contribution(users, **kwargs)
+    result, metrics = sequential.users_contribution(users, work)
     return result, metrics, "sequential"
 
 

@@ -310,7 +310,8 @@ class LocalTraining:
         m ← g at the first step, μ·m + g after (μ = momentum; m = g when μ = 0)
         θ ← θ − η·m              (η = lr)
 
-    Momentum buffers start at zero for every user and round (nothing of a user persists across rounds).
+    Momentum buffers start at zero for every user and round (nothing of a user persists across rounds). Which
+    minibatches a user with n examples takes is ``fed_dp.clients.training.local_schedule``.
     Δ_i = θ_i − θ_{t−1} is then clipped to ζ; none of this changes the privacy accounting, which bounds the
     whole update of a user by its clip, whatever the local work.
     """
@@ -340,30 +341,3 @@ class LocalTraining:
             _is_real(self.weight_decay) and self.weight_decay >= 0,
             f"local weight_decay must be a finite number >= 0, got {self.weight_decay!r}",
         )
-
-    def examples_used(self, n: int) -> int:
-        """How many of a user's n examples it trains on: min(n, max_examples)."""
-        return n if self.max_examples is None else min(n, self.max_examples)
-
-    def schedule(self, n: int) -> list[tuple[int, int, int]]:
-        """The minibatches of a user with n examples: (epoch, start, stop) into that epoch's permutation.
-
-        With m = :meth:`examples_used` (n) and s = ⌈m / batch_size⌉ steps per epoch: step k is minibatch
-        k mod s of epoch ⌊k / s⌋; there are ``epochs``·s steps, or ``steps``. Users with the same m have
-        the same schedule (what lets the vectorized path train them together). Empty for m = 0.
-        """
-        m = self.examples_used(n)
-        if m == 0:
-            return []
-        per_epoch = math.ceil(m / self.batch_size)
-        total = self.steps if self.steps is not None else self.epochs * per_epoch
-        batches = []
-        for k in range(total):
-            start = (k % per_epoch) * self.batch_size
-            batches.append((k // per_epoch, start, min(start + self.batch_size, m)))
-        return batches
-
-    def epochs_needed(self, n: int) -> int:
-        """Permutations a user with n examples draws: one per epoch its schedule touches."""
-        schedule = self.schedule(n)
-        return schedule[-1][0] + 1 if schedule else 0

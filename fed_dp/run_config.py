@@ -163,8 +163,9 @@ KEYS: tuple[Key, ...] = (
         "torch (a seeded generator, reproducible); auto: secure in a Flower run without FED_DP_SERVER_SEED, else torch",
         choices=("auto", "secure", "torch")),
     Key("client", "device", str, "auto", "where users train: auto (CUDA when present), cpu, cuda, cuda:N"),
-    Key("client", "training", str, "auto", "auto (users whose update is one full-batch step: without a model per user; the others "
-        "vectorized over users on CUDA, one at a time on the CPU), vectorized or sequential", choices=TRAINING_PATHS),
+    Key("client", "training", str, "auto", "auto (users whose update is one full-batch step: without a model per user, unless "
+        "their norms would cost more; the others vectorized over users on CUDA, and on the CPU for small models "
+        "without convolutions; one at a time otherwise), vectorized or sequential", choices=TRAINING_PATHS),
     Key("client", "chunk-size", int, None, "most users in one vectorized call (unset: from memory)", unset=0),
     Key("run", "seed", int, None, "seeds the model and local training, and in fed-dp simulate the sampler and noise "
         "too (a reproducible research run); a Flower run sends it to every client, so its sampler and noise come "

@@ -1,6 +1,6 @@
 """``fed-dp benchmark``: the workloads of BENCHMARKS.md, measured side by side in one invocation.
 
-    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users] [--smoke]
+    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users,paths] [--smoke]
 
 Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`` with a figure
 ``DIR/benchmark.png``):
@@ -57,6 +57,10 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     shaped population of 342,477 lazily generated users, 1,000 per round: seconds per round, ms per user, peak
     memory. ``--small-users-rounds``, ``--small-users-paper-rounds`` (0 skips the paper's size) and
     ``--small-users-max-seconds`` size it.
+``paths``
+    Whether ``client.training = "auto"`` takes the fastest training path (``benchmark.paths``): small users of a
+    linear model, the W1 CNN and a next-token model, with one and with several local steps, each run with auto,
+    vectorized and sequential; the fastest round of each and auto over the fastest. ``--paths-rounds`` sizes it.
 ``gpu`` (only with CUDA)
     W1's data scaled to 10,000 users and 1,000 per round on ``cuda``, with W1's CNN and the seeds' CIFAR CNN:
     users/s of the engine's vectorized path against the hardware's practical limit for the same work (one
@@ -86,7 +90,7 @@ from fed_dp.simulations.benchmark.noise import bench_noise, bench_secure_noise, 
 from fed_dp.simulations.benchmark.scaling import bench_scaling, format_scaling
 from fed_dp.simulations.benchmark.w1 import W1Spec, bench_w1, format_w1
 
-SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users")
+SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users", "paths")
 
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
@@ -148,6 +152,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     from fed_dp.simulations.benchmark.small_users import add_arguments as small_users_arguments
 
     small_users_arguments(parser)
+    parser.add_argument("--paths-rounds", type=int, default=4, metavar="R",
+                        help="paths: rounds per workload and path, the first left out as warm-up (default 4)")
     return parser
 
 
@@ -220,6 +226,14 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         results["small-users"] = benchmark_small_users.run_section(args, log=log)
         section("many small users: the engine against a direct implementation of the same round",
                 benchmark_small_users.format_small_users(results["small-users"]))
+    if "paths" in sections:
+        from fed_dp.simulations.benchmark import paths as benchmark_paths
+
+        log("measuring the training paths ...")
+        results["paths"] = benchmark_paths.bench_paths(benchmark_paths.workloads(smoke=bool(args.smoke)),
+                                                       rounds=2 if args.smoke else args.paths_rounds, log=log)
+        section("training paths: the automatic choice against each path (CPU, one torch thread)",
+                benchmark_paths.format_paths(results["paths"]))
     (out / "benchmark.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "benchmark.txt").write_text("\n".join(printed) + "\n")
     figure = plot(results, out / "benchmark.png")

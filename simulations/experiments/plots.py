@@ -2,6 +2,8 @@
 
     metrics.png         eval accuracy and loss vs round, and accuracy vs ε, one line per optimizer
     groups.png          accuracy per frequency group vs round (seed 003 style), when the task has groups
+    groups_epsilon.png  training loss and accuracy, overall and for four frequency groups, vs user-level ε (seed 003
+                        Figure 2's layout: the most frequent group, two middle ones, the rarest)
     second_moment.png   fraction of coordinates with ν̂ − Φ̂ < 0 (seed 000 Fig. 4) and the quartiles of ν̂
                         (seed 001 Table 1) vs round, for the adaptive optimizers
 """
@@ -69,6 +71,38 @@ def plot_groups(results: Results, path: Path) -> Path | None:
     return path
 
 
+def _shown_groups(count: int) -> list[int]:
+    """Four of ``count`` frequency groups as seed 003's Figure 2 shows them for G = 8: 0, 3, 5 and 7."""
+    return sorted({0, round(3 * count / 8), round(5 * count / 8), count - 1} & set(range(count)))
+
+
+def plot_groups_vs_epsilon(results: Results, path: Path) -> Path | None:
+    """Loss (top) and accuracy (bottom) against ε: overall, then per shown group, one line per optimizer."""
+    count = len({k for rs in results.values() for r in rs for k in r if k.startswith("group") and k.endswith("_loss")})
+    private = {n: rs for n, rs in results.items() if any(isinstance(r.get("epsilon"), float) for r in rs)}
+    if not count or not private:
+        return None
+    panels = [("eval", "overall")] + [(f"group{g}", f"frequency group {g}") for g in _shown_groups(count)]
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.6 * len(panels), 6.4), squeeze=False)
+    for column, (prefix, title) in enumerate(panels):
+        for row, metric in enumerate(("loss", "accuracy")):
+            ax = axes[row][column]
+            for name, records in private.items():
+                points = [(r["epsilon"], r[f"{prefix}_{metric}"]) for r in records
+                          if isinstance(r.get("epsilon"), float) and isinstance(r.get(f"{prefix}_{metric}"), (int, float))]
+                ax.plot([e for e, _ in points], [v for _, v in points], label=name)
+            ax.set(title=f"{title}: {metric}", xlabel="user-level ε")
+            if metric == "accuracy":
+                ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("training loss and accuracy per frequency group against ε (group 0: most frequent classes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_second_moment(results: Results, path: Path) -> Path | None:
     adaptive = {n: rs for n, rs in results.items() if any("nu_hat_median" in r for r in rs)}
     if not adaptive:
@@ -100,5 +134,6 @@ def plot_all(results: Results, folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = [plot_metrics(results, folder / "metrics.png"),
                plot_groups(results, folder / "groups.png"),
+               plot_groups_vs_epsilon(results, folder / "groups_epsilon.png"),
                plot_second_moment(results, folder / "second_moment.png")]
     return [p for p in written if p is not None]

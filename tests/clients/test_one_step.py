@@ -16,7 +16,8 @@ from torch import nn
 from fed_dp.clients import one_step, training as sequential
 from fed_dp.clients.losses import classification, multi_label, next_token, regression
 from fed_dp.clients.task import Examples
-from fed_dp.clients.vectorized import contribution, path_metrics
+from fed_dp.clients.training import LocalRound
+from fed_dp.clients.vectorized import contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 
@@ -87,6 +88,11 @@ CASES = {
 }
 
 
+def work(kwargs: dict, **overrides) -> LocalRound:
+    """The LocalRound of a test's keyword arguments, some of them replaced."""
+    return LocalRound(**{**kwargs, **overrides})
+
+
 def _setup(case: str, sizes: list[int], seed: int = 0):
     build, data, loss = CASES[case]
     torch.manual_seed(seed)
@@ -103,7 +109,7 @@ def _both(case, sizes, *, clip_norm, scale=None, send_squares=False, training=FU
     scale = None if scale is None else torch.rand(layout.size, generator=torch.Generator().manual_seed(9)) + 0.5
     kwargs = dict(params=params, round_index=3, clip_norm=clip_norm, scale=scale, send_squares=send_squares,
                   model=model, layout=layout, training=training, loss=loss, seed=0)
-    return one_step.users_contribution(users, **kwargs), sequential.users_contribution(users, **kwargs)
+    return one_step.users_contribution(users, work(kwargs)), sequential.users_contribution(users, work(kwargs))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -134,10 +140,10 @@ def test_clip_bits_count_users_at_or_under_the_clip():
     model, layout, params, users, loss = _setup("linear+layernorm", [1] * 40)
     kwargs = dict(params=params, round_index=0, scale=None, send_squares=False, model=model, layout=layout,
                   training=FULL_BATCH, loss=loss, seed=0)
-    _, metrics = one_step.users_contribution(users, clip_norm=1e9, **kwargs)
+    _, metrics = one_step.users_contribution(users, work(kwargs, clip_norm=1e9))
     mean_norm = metrics["mean_update_norm"]
-    fast, _ = one_step.users_contribution(users, clip_norm=mean_norm, **kwargs)
-    slow, _ = sequential.users_contribution(users, clip_norm=mean_norm, **kwargs)
+    fast, _ = one_step.users_contribution(users, work(kwargs, clip_norm=mean_norm))
+    slow, _ = sequential.users_contribution(users, work(kwargs, clip_norm=mean_norm))
     assert 0 < fast.unclipped < 40 and fast.unclipped == slow.unclipped
 
 
@@ -145,8 +151,8 @@ def test_chunks_do_not_change_the_result():
     model, layout, params, users, loss = _setup("embedding+next-token", [1, 2, 2, 3, 1, 1, 2])
     kwargs = dict(params=params, round_index=0, clip_norm=0.2, scale=None, send_squares=True, model=model,
                   layout=layout, training=FULL_BATCH, loss=loss, seed=0)
-    whole, _ = one_step.users_contribution(users, **kwargs)
-    tiny, _ = one_step.users_contribution(users, budget_bytes=8 * 40, **kwargs)  # one user per chunk
+    whole, _ = one_step.users_contribution(users, work(kwargs))
+    tiny, _ = one_step.users_contribution(users, work(kwargs), budget_bytes=8 * 40)  # one user per chunk
     _close(tiny.total, whole.total)
     _close(tiny.total_squares, whole.total_squares)
 
@@ -172,16 +178,59 @@ def test_contribution_mixes_paths_and_says_which_ran():
     training = LocalTraining(batch_size=4, lr=0.5, epochs=1)
     kwargs = dict(params=params, round_index=0, clip_norm=0.3, scale=None, send_squares=True, model=model,
                   layout=layout, training=training, loss=loss, seed=5)
-    mixed, metrics, path = contribution(users, **kwargs)
-    slow, slow_metrics = sequential.users_contribution(users, **kwargs)
-    assert path == "one-step+sequential" and path_metrics(path) == {"vectorized": 0.0, "one_step": 1.0}
+    mixed, metrics, path = contribution(users, work(kwargs))
+    slow, slow_metrics = sequential.users_contribution(users, work(kwargs))
+    assert path == "one-step+vectorized" and path_metrics(path) == {"vectorized": 1.0, "one_step": 1.0}
     _close(mixed.total, slow.total)
     _close(mixed.total_squares, slow.total_squares)
     assert (mixed.count, mixed.unclipped) == (slow.count, slow.unclipped)
     assert metrics["train_loss"] == pytest.approx(slow_metrics["train_loss"], rel=1e-5)
     only_fast = [u for u in users if len(u[1]) <= 4]
-    assert contribution(only_fast, **kwargs)[2] == "one-step"
-    assert contribution(only_fast, vectorized=False, **kwargs)[2] == "sequential"
+    assert contribution(only_fast, work(kwargs))[2] == "one-step"
+    assert contribution(only_fast, work(kwargs), vectorized=False)[2] == "sequential"
+
+
+def test_extra_work_per_form():
+    """What each gradient form costs beyond a per-user backward pass, in multiply-adds (C users, Q positions)."""
+    c, q, k, o = 3, 4, 5, 7
+    rank_one = one_step._Outer(torch.ones(c, 1, k), torch.ones(c, 1, o))
+    assert rank_one.extra_macs(scaled=True, squares=True) == 0  # closed forms
+    wide = one_step._Outer(torch.ones(c, q, 50), torch.ones(c, q, 60))  # Q(k + o) < k·o: Gram matrices
+    assert wide.ghost_cheaper() and wide.extra_macs(False, False) == c * q * q * 110
+    assert wide.extra_macs(True, False) == c * q * 50 * 60  # the scale needs G_u itself
+    assert wide.extra_macs(False, True) == c * q * q * 110 + c * q * 50 * 60  # and so do the squares
+    thin = one_step._Outer(torch.ones(c, q, k), torch.ones(c, q, o))
+    assert not thin.ghost_cheaper() and thin.extra_macs(False, False) == c * q * k * o
+    assert one_step._Dense(torch.ones(c, 9)).extra_macs(True, True) == 0
+
+
+def test_auto_leaves_users_whose_norms_cost_more_than_a_model_per_user():
+    """Long sequences into a wide output layer: materializing G_u over 38 predicted positions (2 sequences of 20
+    tokens) costs 38·24·800 = 730k multiply-adds per user beyond the per-user path's work (the limit is 2^20 ≈
+    1.05M); over 98 (1.88M) the auto choice refuses once, says why, and every user trains with a model per user,
+    to the same sum."""
+    def setup(length):
+        torch.manual_seed(0)
+        model = TokenModel(vocabulary=800, width=24)
+        layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
+        params = layout.flatten({k: v.detach() for k, v in model.named_parameters()})
+        g = torch.Generator().manual_seed(1)
+        users = [(i, Examples((torch.randint(0, 800, (2, length), generator=g),))) for i in range(3)]
+        kwargs = dict(params=params, round_index=0, clip_norm=0.5, scale=None, send_squares=False, model=model,
+                      layout=layout, training=FULL_BATCH, loss=next_token, seed=5)
+        return model, users, kwargs
+
+    model, users, kwargs = setup(20)  # 2 × 19 positions a user
+    assert contribution(users, work(kwargs))[2] == "one-step"
+    model, users, kwargs = setup(50)  # 2 × 49 positions: 1.88M
+    with pytest.raises(one_step.Unsupported, match=r"1\.88e\+06 extra multiply-adds per user \(over 1\.05e\+06; most in out\.weight\)"):
+        one_step.users_contribution(users, work(kwargs), max_extra_macs=one_step.AUTO_MAX_EXTRA_MACS)
+    forced, _ = one_step.users_contribution(users, work(kwargs))  # no limit: the path itself still works
+    result, _, path = contribution(users, work(kwargs))
+    assert path == "sequential" and "multiply-adds" in model._fed_dp_one_step_refused  # 39,248 parameters: > 2^15
+    slow, _ = sequential.users_contribution(users, work(kwargs))
+    _close(result.total, slow.total)
+    _close(forced.total, slow.total)
 
 
 class OutsideUse(nn.Module):
@@ -221,15 +270,16 @@ def test_what_this_path_cannot_train_goes_the_usual_way(build, reason, caplog):
     kwargs = dict(params=params, round_index=0, clip_norm=0.3, scale=None, send_squares=False, model=model,
                   layout=layout, training=FULL_BATCH, loss=classification, seed=0)
     with pytest.raises(one_step.Unsupported, match=reason):
-        one_step.users_contribution(users, **kwargs)
+        one_step.users_contribution(users, work(kwargs))
     if isinstance(model, nn.GRU):
         return  # the classification loss does not take a GRU's (output, state); nothing more to compare
     with caplog.at_level(logging.WARNING, logger="fed_dp.clients"):
-        result, _, path = contribution(users, **kwargs)
-        assert contribution(users, **kwargs)[2] == path  # the refusal is remembered: logged once
-    assert path == "sequential" and sum(reason in r.getMessage() for r in caplog.records) == 1
+        result, _, path = contribution(users, work(kwargs))
+        assert contribution(users, work(kwargs))[2] == path  # the refusal is remembered: logged once
+    assert path == select_path(model, None, params.device)[0]  # the usual path, as if one-step did not exist
+    assert sum(reason in r.getMessage() for r in caplog.records) == 1
     if not isinstance(model, (nn.Sequential,)) or not any(isinstance(m, nn.Dropout) for m in model.modules()):
-        expected, _ = sequential.users_contribution(users, **kwargs)
+        expected, _ = sequential.users_contribution(users, work(kwargs))
         _close(result.total, expected.total)
 
 
@@ -242,19 +292,19 @@ def test_a_loss_without_per_example_or_with_a_wrong_one_is_refused():
         return classification(model, batch)
 
     with pytest.raises(one_step.Unsupported, match="no per_example"):
-        one_step.users_contribution(users, loss=own_loss, **kwargs)
+        one_step.users_contribution(users, work(kwargs, loss=own_loss))
     own_loss.per_example = lambda model, batch: (lambda a, b: (2 * a, b))(*classification.per_example(model, batch))
     with pytest.raises(one_step.Unsupported, match="does not add up"):
-        one_step.users_contribution(users, loss=own_loss, **kwargs)
+        one_step.users_contribution(users, work(kwargs, loss=own_loss))
 
 
 def test_a_non_finite_loss_names_the_user():
     model, layout, params, users, loss = _setup("linear+layernorm", [1, 1, 2])
     users[1] = (1, Examples((torch.full((1, 7), float("nan")), torch.zeros(1, dtype=torch.long))))
     with pytest.raises(ValueError, match="user 1"):
-        one_step.users_contribution(users, params=params, round_index=0, clip_norm=0.3, scale=None,
-                                    send_squares=False, model=model, layout=layout, training=FULL_BATCH, loss=loss,
-                                    seed=0)
+        one_step.users_contribution(users, LocalRound(params=params, round_index=0, clip_norm=0.3, scale=None,
+                                                      send_squares=False, model=model, layout=layout,
+                                                      training=FULL_BATCH, loss=loss, seed=0))
 
 
 @pytest.mark.parametrize("loss, data", [
@@ -343,9 +393,9 @@ def test_each_released_update_is_within_the_clip_in_floating_point(case, sizes, 
         s = None if scale is None else torch.rand(layout.size, generator=torch.Generator().manual_seed(seed)) + 0.5
         kwargs = dict(params=params, round_index=0, scale=s, send_squares=False, model=model, layout=layout,
                       training=FULL_BATCH, loss=loss, seed=0)
-        _, metrics = one_step.users_contribution(users, clip_norm=1e9, **kwargs)
+        _, metrics = one_step.users_contribution(users, work(kwargs, clip_norm=1e9))
         clip_norm = metrics["mean_update_norm"] * (1 - 1e-7)
-        released, _ = one_step.users_contribution(users, clip_norm=clip_norm, **kwargs)
+        released, _ = one_step.users_contribution(users, work(kwargs, clip_norm=clip_norm))
         assert released.unclipped == 0
         outside += float(l2_norm(released.total)) > clip_norm
     assert outside == 0

@@ -16,6 +16,15 @@ from fed_dp.flat import ParamLayout
 from fed_dp.simulations.tasks.models import w1_cnn
 
 
+def test_local_schedule():
+    """Which minibatches a user with n examples takes: (epoch, start, stop) into that epoch's permutation."""
+    assert seq.local_schedule(LocalTraining(epochs=2, batch_size=3), 5) == [(0, 0, 3), (0, 3, 5), (1, 0, 3), (1, 3, 5)]
+    assert seq.local_schedule(LocalTraining(steps=3, batch_size=4), 5) == [(0, 0, 4), (0, 4, 5), (1, 0, 4)]
+    assert seq.local_schedule(LocalTraining(batch_size=2, max_examples=3), 10) == [(0, 0, 2), (0, 2, 3)]
+    assert seq.epochs_needed(LocalTraining(steps=3, batch_size=4), 5) == 2
+    assert seq.local_schedule(LocalTraining(), 0) == []
+
+
 def _layout(model: nn.Module) -> tuple[ParamLayout, torch.Tensor]:
     named = {k: v.detach() for k, v in model.named_parameters()}
     layout = ParamLayout.from_state_dict(named)
@@ -30,7 +39,7 @@ def _torch_sgd_delta(model: nn.Module, params: torch.Tensor, layout: ParamLayout
         dict(reference.named_parameters())[name].data.copy_(value)
     sgd = torch.optim.SGD(reference.parameters(), lr=training.lr)
     orders = seq.minibatch_orders(len(examples), training, generator)
-    for epoch, start, stop in training.schedule(len(examples)):
+    for epoch, start, stop in seq.local_schedule(training, len(examples)):
         sgd.zero_grad()
         losses.classification(reference, examples.select(orders[epoch][start:stop])).backward()
         sgd.step()

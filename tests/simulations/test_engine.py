@@ -212,11 +212,13 @@ def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_che
         return value * float("nan") if calls["n"] > limit else value
 
     task = _task()
-    good = train(task, _privacy(rounds=2), "dp-sgd", LocalTraining(), seed=1)
+    # one user at a time, so that the loss is called once per user and round (vectorized: once per chunk)
+    good = train(task, _privacy(rounds=2), "dp-sgd", LocalTraining(), seed=1, training="sequential")
     limit = sum(r["nonprivate_cohort_size"] for r in good.records) * 1  # batch 16 > 4 examples: one step per user and round
     bad_task = Task(name="fragile", users=task.users, model=task.model, loss=fragile)
     with pytest.raises(ValueError, match=r"loss of user \d+ became nan .*round 3"):
-        train(bad_task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))
+        train(bad_task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path),
+              training="sequential")
     saved = load_checkpoint(tmp_path)["state"]
     assert saved["round"] == 2 and len(saved["ledger"]["records"]) == 2
     resumed = train(task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))

@@ -114,7 +114,7 @@ def test_cli_simulate_and_plot_write_table_results_and_pngs(tmp_path, capsys):
     assert main(["simulate", *sets, "--out", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "optimizer" in printed and "dp-adambc" in printed
-    for name in ("metrics.png", "groups.png", "second_moment.png"):
+    for name in ("metrics.png", "groups.png", "groups_epsilon.png", "second_moment.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = tmp_path / "figs"
     assert main(["plot", str(out), "--out", str(figures)]) == 0
