@@ -29,3 +29,13 @@ def server_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
+
+
+#: Tests of a minute or more that belong to no xdist_group: collected first, so that on two workers
+#: (pyproject addopts) they start at the beginning instead of leaving one worker alone with them at the end
+#: (pytest-xdist hands out groups largest first, then single tests in collection order).
+STARTED_FIRST = ("tests/test_readme.py::test_main_job_command_runs_and_reproduces_the_readme_table",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.nodeid not in STARTED_FIRST)  # stable: every other test keeps its order
