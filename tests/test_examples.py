@@ -65,7 +65,6 @@ def test_the_flower_apps_task_trains_in_process_through_the_cli(tmp_path, monkey
     assert (out / "rounds-dp-adam.jsonl").exists()
 
 
-@pytest.mark.xdist_group("flower-simulation")  # one simulation (Ray) at a time (pyproject addopts)
 def test_your_own_server_and_client_apps_run_with_flwr_run(tmp_path):
     log = local_simulation.run(tmp_path / "home", {"rounds": 3, "checkpoint-dir": str(tmp_path / "ckpt")},
                                supernodes=2, app=FLOWER_APP)

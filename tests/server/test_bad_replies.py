@@ -20,7 +20,6 @@ from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
 from fed_dp.server.membership import NoUsersError
 from fed_dp.simulations.builtin_tasks import heavy_tail_task
 
-pytestmark = pytest.mark.xdist_group("flower-simulation")  # one simulation (Ray) at a time (pyproject addopts)
 HERE = Path(__file__).resolve().parent
 PRIVACY = PrivacyConfig(num_users=40, expected_cohort=10, rounds=1, noise_multiplier=1e-9, delta=1e-5,
                         accountant="rdp")  # the ClientApps use the run-config defaults: heavy-tail, 40 users

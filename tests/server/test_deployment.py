@@ -25,7 +25,7 @@ from fed_dp.checkpoint import load_checkpoint, read_diagnostics
 from fed_dp.clients.task import build_task, initial_model
 from fed_dp.run_config import RunConfig
 
-pytestmark = [*REQUIRES_TOOLS, pytest.mark.xdist_group("deployment")]  # one deployment at a time (pyproject addopts)
+pytestmark = REQUIRES_TOOLS
 
 
 def test_tls_deployment_three_supernodes_trains_and_reports_epsilon(tmp_path, new_deployment):

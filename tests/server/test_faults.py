@@ -38,7 +38,7 @@ from fed_dp.run_config import RunConfig
 from fed_dp.server.submit import run_id_of
 from fed_dp.simulations.engine import train
 
-pytestmark = [*REQUIRES_TOOLS, pytest.mark.xdist_group("deployment")]  # one deployment at a time (pyproject addopts)
+pytestmark = REQUIRES_TOOLS
 LAST_USERS = set(range(27, 40))  # the users of the last SuperNode of deployment.USERS
 
 

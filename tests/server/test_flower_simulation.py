@@ -18,7 +18,6 @@ from fed_dp.config import LocalTraining
 from fed_dp.run_config import RunConfig
 from fed_dp.simulations.engine import train
 
-pytestmark = pytest.mark.xdist_group("flower-simulation")  # one simulation (Ray) at a time (pyproject addopts)
 RUN = {"run.seed": 7, "privacy.rounds": 3, "task.users": 40}
 
 

@@ -46,7 +46,6 @@ def test_unknown_section_is_a_clear_error(tmp_path, capsys):
     assert "unknown benchmark section(s) ['warp']" in capsys.readouterr().err
 
 
-@pytest.mark.xdist_group("flower-simulation")  # one simulation (Ray) at a time (pyproject addopts)
 def test_smoke_run_measures_every_section_side_by_side(tmp_path):
     """`fed-dp benchmark --smoke`: Flower's DP simulation, the project's Flower apps, the engine's paths
     and plain training on a tiny W1; scaling; a BandMF step; accounting; deployment rounds on 1 SuperNode;
