@@ -29,3 +29,42 @@ def server_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
+
+
+
+#: Tests that must not overlap, by group (node-id prefixes): on two workers (pyproject addopts) each group runs on
+#: one worker, one test after another; every other test runs wherever a worker is free. Flower's simulation engine
+#: (Ray, started in the test process or by ``flwr run``) and the deployments (SuperLink, SuperNodes, ClientApp
+#: processes, with reply timeouts) each run one at a time. (pytest-xdist's own ``xdist_group`` mark has no effect
+#: with pytest 9, whose node ids it can no longer rewrite: checked with pytest 9.2 and pytest-xdist 3.8.)
+XDIST_GROUPS = {
+    "flower-simulation": ("tests/server/test_flower_simulation.py::", "tests/server/test_bad_replies.py::",
+                          "tests/simulations/test_benchmark.py::test_smoke_run_measures_every_section_side_by_side",
+                          "tests/test_examples.py::test_your_own_server_and_client_apps_run_with_flwr_run"),
+    "deployment": ("tests/server/test_deployment.py::", "tests/server/test_faults.py::"),
+}
+#: Tests of a minute or more in no group: collected first, so that they start at the beginning instead of leaving
+#: one worker alone with them at the end (the scheduler hands out groups largest first, then single tests in
+#: collection order).
+STARTED_FIRST = ("tests/test_readme.py::test_main_job_command_runs_and_reproduces_the_readme_table",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.nodeid not in STARTED_FIRST)  # stable: every other test keeps its order
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group of a test (its XDIST_GROUPS name), or its own node id: the unit pytest-xdist hands to a worker."""
+    return next((name for name, prefixes in XDIST_GROUPS.items() if nodeid.startswith(prefixes)), nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduling with XDIST_GROUPS as the scopes (see there)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)

@@ -3,6 +3,7 @@ are stopped, and checked for leftover processes, after each test."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,11 @@ def certificates(tmp_path_factory) -> Path:
 def new_deployment(tmp_path, certificates, monkeypatch):
     """deployment(auth=...) → a TLS Deployment under tmp_path; stopped, and checked for leftovers, afterwards.
     Its SuperLink gets ``FED_DP_SERVER_SEED`` = run.seed (the ServerApp's sampler and noise seed, from the server's
-    environment only), so that the tests can predict the cohorts and compare with the in-process engine."""
+    environment only), so that the tests can predict the cohorts and compare with the in-process engine; its
+    processes get this folder on ``PYTHONPATH`` (the tests' task, deployment_task.py)."""
     monkeypatch.setenv(SERVER_SEED_VARIABLE, str(SEED))
+    # the SuperLink's and SuperNodes' processes import the tests' task (deployment_task.py) from this folder
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     started: list[Deployment] = []
 
     def make(auth: bool = False) -> Deployment:

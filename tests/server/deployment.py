@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deployment_task import REFERENCE as TASK
 
 from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.checkpoint import load_checkpoint
@@ -48,8 +49,9 @@ SEED = 1
 
 
 def run_config(checkpoint_dir: Path, rounds: int, **extra: Any) -> dict[str, Any]:
-    """The run-config overrides of these tests (everything else: pyproject.toml's defaults)."""
-    return {"run.seed": SEED, "privacy.rounds": rounds, "privacy.accountant": "rdp",
+    """The run-config overrides of these tests (everything else: pyproject.toml's defaults); the task is
+    deployment_task.py's (heavy-tail without Flower Datasets: see there why)."""
+    return {"task.ref": TASK, "run.seed": SEED, "privacy.rounds": rounds, "privacy.accountant": "rdp",
             "server.checkpoint-dir": str(checkpoint_dir), "server.min-nodes": len(USERS), "server.reply-timeout": 30.0,
             "client.device": "cpu", **extra}
 

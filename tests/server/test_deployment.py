@@ -52,7 +52,7 @@ def test_tls_deployment_three_supernodes_trains_and_reports_epsilon(tmp_path, ne
         assert count["dropped"] == [] and count["replied_users"] == count["cohort_size"]
         assert not {"cohort_size", "replied_users", "dropped"} & set(record)
         assert 0.0 <= record["eval_accuracy"] <= 1.0
-    initial = initial_model(build_task(RunConfig.from_flat({}).task), SEED)[2]
+    initial = initial_model(build_task(RunConfig.from_flat(overrides).task), SEED)[2]
     final = load_checkpoint(checkpoint_dir)["state"]["params"]
     assert final.shape == initial.shape and torch.isfinite(final).all()
     assert not torch.allclose(final, initial.to(final.dtype)), "three rounds of training left the model unchanged"
