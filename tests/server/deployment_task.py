@@ -16,7 +16,7 @@ import torch
 
 from fed_dp.clients import evaluation, losses
 from fed_dp.clients.task import Task, Users
-from fed_dp.simulations import models, synthetic
+from fed_dp.simulations.tasks import models, synthetic
 
 #: ``task.ref`` of the deployment tests.
 REFERENCE = "deployment_task:heavy_tail_task"
