@@ -50,6 +50,7 @@ import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -175,7 +176,39 @@ def partition(
         ValueError: on an unknown scheme, a malformed argument, ``N > n``, a
         ``min_size`` that cannot be met, or a ``num_users`` that does not match the
         natural ids.
+
+    Three steps: the arguments are checked (:func:`_checked_request`), the scheme's
+    flwr-datasets partitioner is built over the ``label``/``index`` columns
+    (:data:`_PARTITIONERS`) and every user's indices are read back and checked
+    (:func:`_checked_parts`).
     """
+    request = _checked_request(labels, num_users, scheme, seed=seed, alpha=alpha, exponent=exponent,
+                               natural_ids=natural_ids, min_size=min_size)
+    parts = _PARTITIONERS[scheme](request)
+    return _checked_parts(parts, request)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A checked call of :func:`partition`: the labels as int64, ``n``, and the scheme's parameters."""
+
+    labels: np.ndarray
+    num_users: int
+    scheme: str
+    seed: int
+    alpha: float
+    exponent: float
+    natural_ids: np.ndarray | None
+    min_size: int
+
+    @property
+    def n(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def _checked_request(labels: Any, num_users: int, scheme: str, *, seed: int, alpha: float, exponent: float,
+                     natural_ids: Any, min_size: int) -> _Request:
+    """Every argument of :func:`partition` checked, with a ``ValueError`` that says what to change."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}; got {scheme!r}")
     label_array = _as_1d_array("labels", labels)
@@ -198,98 +231,115 @@ def partition(
             f"min_size={min_size} is impossible: {num_users} users need at least "
             f"{num_users * min_size} examples but there are only n={n}"
         )
+    ids = _checked_natural_ids(natural_ids, n, num_users) if scheme == "natural-id" else None
+    return _Request(label_array.astype(np.int64), num_users, scheme, seed, alpha, exponent, ids, min_size)
 
-    # Imported here so that importing this module stays cheap.
+
+def _checked_natural_ids(natural_ids: Any, n: int, num_users: int) -> np.ndarray:
+    """One natural id per example (ints or strings), with exactly ``num_users`` distinct ids."""
+    if natural_ids is None:
+        raise ValueError("scheme 'natural-id' needs natural_ids (one id per example)")
+    id_array = _as_1d_array("natural_ids", natural_ids)
+    if id_array.shape[0] != n:
+        raise ValueError(
+            f"natural_ids has {id_array.shape[0]} entries but labels has {n}; "
+            f"give one natural id per example"
+        )
+    if id_array.dtype.kind not in "biuU":
+        raise ValueError(f"natural_ids must be integers or strings, got dtype {id_array.dtype}")
+    distinct = len(np.unique(id_array))
+    if distinct != num_users:
+        raise ValueError(
+            f"num_users={num_users} must equal the number of distinct natural ids, "
+            f"which is {distinct}"
+        )
+    return id_array.astype(np.int64) if id_array.dtype.kind in "biu" else id_array
+
+
+def _columns(request: _Request, order: np.ndarray | None = None, **more: np.ndarray) -> Any:
+    """The ``label`` and ``index`` columns (rows in ``order`` if given, plus ``more``) as a Hugging Face
+    ``datasets.Dataset``, the form flwr-datasets partitioners read. Imported here so that importing this module
+    stays cheap."""
     import datasets
-    from flwr_datasets.partitioner import (
-        DirichletPartitioner,
-        IidPartitioner,
-        NaturalIdPartitioner,
-        SizePartitioner,
+
+    index = np.arange(request.n, dtype=np.int64)
+    rows = slice(None) if order is None else order
+    return datasets.Dataset.from_dict({"label": request.labels[rows], "index": index[rows], **more})
+
+
+def _iid(request: _Request) -> list[np.ndarray]:
+    """Shuffled rows cut into ``N`` shards of sizes that differ by at most one (``IidPartitioner``)."""
+    from flwr_datasets.partitioner import IidPartitioner
+
+    partitioner = IidPartitioner(num_partitions=request.num_users)
+    partitioner.dataset = _columns(request, _random_order(request.n, request.seed))
+    return _load_all(partitioner, request.num_users)
+
+
+def _power_law(request: _Request) -> list[np.ndarray]:
+    """Shuffled rows cut into blocks of :func:`power_law_sizes` (``SizePartitioner``)."""
+    from flwr_datasets.partitioner import SizePartitioner
+
+    sizes = power_law_sizes(request.n, request.num_users, exponent=request.exponent, min_size=request.min_size)
+    partitioner = SizePartitioner(partition_sizes=[int(s) for s in sizes])
+    partitioner.dataset = _columns(request, _random_order(request.n, request.seed))
+    return _load_all(partitioner, request.num_users)
+
+
+def _dirichlet(request: _Request) -> list[np.ndarray]:
+    """Every class divided among users in ``Dirichlet(alpha · 1_N)`` proportions, self-balancing, redrawn by the
+    partitioner until every user holds ``min_size`` examples (``DirichletPartitioner``)."""
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    partitioner = DirichletPartitioner(
+        num_partitions=request.num_users,
+        partition_by="label",
+        alpha=request.alpha,
+        min_partition_size=request.min_size,
+        self_balancing=True,
+        shuffle=True,
+        seed=request.seed,
     )
-
-    index = np.arange(n, dtype=np.int64)
-    label_column = label_array.astype(np.int64)
-    load_all: Callable[[], list[np.ndarray]]
-
-    if scheme == "iid":
-        order = _random_order(n, seed)
-        partitioner = IidPartitioner(num_partitions=num_users)
-        partitioner.dataset = datasets.Dataset.from_dict(
-            {"label": label_column[order], "index": index[order]}
-        )
-        load_all = lambda: _load_all(partitioner, num_users)  # noqa: E731
-
-    elif scheme == "power-law":
-        sizes = power_law_sizes(n, num_users, exponent=exponent, min_size=min_size)
-        order = _random_order(n, seed)
-        partitioner = SizePartitioner(partition_sizes=[int(s) for s in sizes])
-        partitioner.dataset = datasets.Dataset.from_dict(
-            {"label": label_column[order], "index": index[order]}
-        )
-        load_all = lambda: _load_all(partitioner, num_users)  # noqa: E731
-
-    elif scheme == "dirichlet":
-        partitioner = DirichletPartitioner(
-            num_partitions=num_users,
-            partition_by="label",
-            alpha=alpha,
-            min_partition_size=min_size,
-            self_balancing=True,
-            shuffle=True,
-            seed=seed,
-        )
-        partitioner.dataset = datasets.Dataset.from_dict({"label": label_column, "index": index})
-
-        def load_all() -> list[np.ndarray]:
-            with warnings.catch_warnings():
-                # The partitioner warns on every redraw; the outcome is reported below.
-                warnings.filterwarnings(
-                    "ignore", message=re.escape("The specified min_partition_size")
-                )
-                try:
-                    return _load_all(partitioner, num_users)
-                except ValueError as err:
-                    raise ValueError(
-                        f"dirichlet: no draw out of {_DIRICHLET_RETRIES + 1} gave every one of "
-                        f"the {num_users} users at least min_size={min_size} examples (n={n}, "
-                        f"{len(np.unique(label_column))} classes, alpha={alpha}); increase "
-                        f"alpha, or decrease num_users or min_size"
-                    ) from err
-
-    else:  # natural-id
-        if natural_ids is None:
-            raise ValueError("scheme 'natural-id' needs natural_ids (one id per example)")
-        id_array = _as_1d_array("natural_ids", natural_ids)
-        if id_array.shape[0] != n:
+    partitioner.dataset = _columns(request)
+    with warnings.catch_warnings():
+        # The partitioner warns on every redraw; the outcome is reported below.
+        warnings.filterwarnings("ignore", message=re.escape("The specified min_partition_size"))
+        try:
+            return _load_all(partitioner, request.num_users)
+        except ValueError as err:
             raise ValueError(
-                f"natural_ids has {id_array.shape[0]} entries but labels has {n}; "
-                f"give one natural id per example"
-            )
-        if id_array.dtype.kind not in "biuU":
-            raise ValueError(f"natural_ids must be integers or strings, got dtype {id_array.dtype}")
-        distinct = len(np.unique(id_array))
-        if distinct != num_users:
-            raise ValueError(
-                f"num_users={num_users} must equal the number of distinct natural ids, "
-                f"which is {distinct}"
-            )
-        user_column = id_array.astype(np.int64) if id_array.dtype.kind in "biu" else id_array
-        partitioner = NaturalIdPartitioner(partition_by="user")
-        partitioner.dataset = datasets.Dataset.from_dict(
-            {"label": label_column, "index": index, "user": user_column}
-        )
-        load_all = lambda: _load_all(partitioner, num_users)  # noqa: E731
+                f"dirichlet: no draw out of {_DIRICHLET_RETRIES + 1} gave every one of "
+                f"the {request.num_users} users at least min_size={request.min_size} examples "
+                f"(n={request.n}, {len(np.unique(request.labels))} classes, alpha={request.alpha}); "
+                f"increase alpha, or decrease num_users or min_size"
+            ) from err
 
-    parts = load_all()
+
+def _natural_id(request: _Request) -> list[np.ndarray]:
+    """One user per distinct natural id, in sorted id order (``NaturalIdPartitioner``)."""
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    partitioner = NaturalIdPartitioner(partition_by="user")
+    partitioner.dataset = _columns(request, user=request.natural_ids)
+    return _load_all(partitioner, request.num_users)
+
+
+#: Scheme → the step that builds its partitioner and reads every user's indices.
+_PARTITIONERS: dict[str, Callable[[_Request], list[np.ndarray]]] = {
+    "iid": _iid, "power-law": _power_law, "dirichlet": _dirichlet, "natural-id": _natural_id,
+}
+
+
+def _checked_parts(parts: list[np.ndarray], request: _Request) -> list[np.ndarray]:
+    """``parts`` if they assign every example exactly once and every user holds ``min_size`` examples."""
     sizes_found = partition_sizes(parts)
-    if int(sizes_found.sum()) != n or len(np.unique(np.concatenate(parts))) != n:
-        raise RuntimeError(f"{scheme}: the partitioner did not assign every example exactly once")
-    too_small = np.flatnonzero(sizes_found < min_size)
+    if int(sizes_found.sum()) != request.n or len(np.unique(np.concatenate(parts))) != request.n:
+        raise RuntimeError(f"{request.scheme}: the partitioner did not assign every example exactly once")
+    too_small = np.flatnonzero(sizes_found < request.min_size)
     if too_small.size:
         first = int(too_small[0])
         raise ValueError(
-            f"{scheme}: {too_small.size} users hold fewer than min_size={min_size} examples "
+            f"{request.scheme}: {too_small.size} users hold fewer than min_size={request.min_size} examples "
             f"(e.g. user {first} holds {int(sizes_found[first])})"
         )
     return parts
