@@ -29,7 +29,10 @@ def test_the_docs_build_strictly_without_warnings(tmp_path):
     build(config)
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").is_file()
     api = (tmp_path / "site" / "reference" / "python-api" / "index.html").read_text(encoding="utf-8")
-    assert "calibrate_noise_multiplier" in api and "PrivacyConfig" in api  # rendered from the docstrings
+    for name in ("fed_dp.config.PrivacyConfig", "fed_dp.accounting.calibrate_noise_multiplier",
+                 "fed_dp.clients.task.Task", "fed_dp.server.flower_strategy.UserLevelDP",
+                 "fed_dp.simulations.engine.inprocess.train"):  # rendered from the docstrings, upper layers too
+        assert f'id="{name}"' in api, name
 
 
 def test_the_docs_have_worked_examples_for_both_commands():
