@@ -33,6 +33,8 @@ def test_the_docs_build_strictly_without_warnings(tmp_path):
                  "fed_dp.clients.task.Task", "fed_dp.server.flower_strategy.UserLevelDP",
                  "fed_dp.simulations.engine.inprocess.train"):  # rendered from the docstrings, upper layers too
         assert f'id="{name}"' in api, name
+    for html in (tmp_path / "site").rglob("*.html"):  # no script, stylesheet or image fetched from the network
+        assert not re.search(r'<(script|link|img)[^>]*(src|href)="(https?:)?//', html.read_text(encoding="utf-8")), html
 
 
 def test_the_docs_have_worked_examples_for_both_commands():
