@@ -124,12 +124,13 @@ def test_kill_and_resume_reaches_the_same_model_with_a_continued_ledger(tmp_path
 
 
 def test_the_readme_flwr_run_command_works_and_prints_epsilon(tmp_path):
-    """`flwr run .` exactly as the README shows it (out of the box: built-in synthetic task, default config)."""
+    """`flwr run .` exactly as the docs show it (docs/how-to/flower-app.md; out of the box: built-in synthetic
+    task, default config)."""
     import re
     import subprocess
 
-    readme = (flower_run.REPO / "README.md").read_text()
-    section = readme[readme.index("## Running with Flower"):]
+    page = (flower_run.REPO / "docs" / "how-to" / "flower-app.md").read_text()
+    section = page[page.index("## Running with Flower"):]
     command = re.search(r"```bash\n(FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 flwr run \. --stream[^\n]*)\n```", section).group(1)
     home = tmp_path / "home"
     try:
@@ -142,7 +143,7 @@ def test_the_readme_flwr_run_command_works_and_prints_epsilon(tmp_path):
     expected = epsilon(_privacy({}), 5)  # the defaults: 40 users, B = 10, σ = 1, δ = 1e-5, PLD
     assert re.search(rf"round 5/5: epsilon {expected:.4f}, delta 1e-05", output), output[-3000:]
     assert f"fed-dp finished: 5 rounds, user-level epsilon {expected:.4f}" in output
-    assert f"epsilon {expected:.4f}" in section  # the README shows what the command prints
+    assert f"epsilon {expected:.4f}" in section  # the docs show what the command prints
 
 
 def test_a_round_over_the_epsilon_budget_is_refused_and_the_run_ends_cleanly(tmp_path):
