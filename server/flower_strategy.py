@@ -21,6 +21,10 @@ with ``FedAvg``, and call the base method inside its override:
 - ``configure_train``: may add keys to ``config`` (they reach every node in the message's ``"config"`` record)
   or change the messages the base method returns (more content, fewer messages: users of a node left out count
   as dropped). It may not choose the users: they are the round's sample, drawn before the method is called.
+- ``configure_evaluate`` / ``aggregate_evaluate``: no override; federated evaluation would read users' data
+  outside the guarantee, and ``start`` refuses a subclass that overrides them. Evaluation is centralized:
+  ``evaluate_fn(round, arrays)``, Flower's hook, on the server's held-out data before round 1 and every
+  ``evaluate_every`` rounds.
 - ``aggregate_train``: may log, add, rename or drop metrics; what it returns is the round's entry of
   ``result.train_metrics_clientapp``. The base method is the core round — re-clip to ζ per user, sum, Gaussian
   noise, divide by the fixed B, optimizer step, ε ledger — and runs on every round: an override that returns
@@ -267,9 +271,14 @@ class UserLevelDP(Strategy):
             "with the same server.checkpoint-dir to resume")
 
     def _same_model(self, arrays: ArrayRecord, params: torch.Tensor) -> bool:
+        """Whether ``arrays`` hold exactly the model ``params`` (both read through the same ArrayRecord path, so
+        that a device or dtype of the server's state does not matter)."""
+        def flat(record: ArrayRecord) -> torch.Tensor:
+            return self.layout.flatten(dict(record.to_torch_state_dict()))
+
         try:
-            return torch.equal(self.layout.flatten(dict(arrays.to_torch_state_dict())), params)
-        except (ValueError, RuntimeError):
+            return torch.equal(flat(arrays), flat(self.arrays(params)))
+        except (ValueError, RuntimeError):  # other names or shapes
             return False
 
     def arrays(self, params: torch.Tensor) -> ArrayRecord:
@@ -422,9 +431,12 @@ class UserLevelDP(Strategy):
         ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
         checkpoint resumable.
         """
-        if evaluate_config:
+        overridden = [name for name in ("configure_evaluate", "aggregate_evaluate")
+                      if getattr(type(self), name) is not getattr(UserLevelDP, name)]
+        if evaluate_config or overridden:
+            ignored = f": {type(self).__name__}'s {' and '.join(overridden)} would never run" if overridden else ""
             raise ValueError("UserLevelDP does not run federated evaluation (it would read users' data outside the "
-                             "privacy guarantee); evaluate centrally with evaluate_fn")
+                             f"privacy guarantee){ignored}; evaluate centrally with evaluate_fn")
         configure_logging()  # a ServerApp's output shows every round's ε, as Flower's strategies show theirs
         if self.state is None:
             self._initialize(initial_arrays)

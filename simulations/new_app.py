@@ -170,9 +170,12 @@ publisher = "{name}"
 serverapp = "server_app:app"
 clientapp = "client_app:app"
 
+# No [tool.flwr.federations] table: in flwr 1.42 the SuperLinks you connect to live in $FLWR_HOME/config.toml
+# (its default connection, "local", runs Flower's simulation), and `flwr run` moves such a table there and comments
+# it out here. The local simulation's size: flwr run . --federation-config "num-supernodes=4".
+
 # Every fed-dp setting with its default (fed_dp.run_config). A Flower run config cannot leave a key out, so unset
 # keys hold their unset value (0, -1 or ""). Override any with --run-config "privacy.rounds=10 local.lr=0.05".
-# The local simulation's size: flwr run . --federation-config "num-supernodes=4".
 [tool.flwr.app.config]
 {config}
 '''

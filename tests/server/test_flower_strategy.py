@@ -310,7 +310,14 @@ class SendsOwnMessages(UserLevelDP):
         return [Message(RecordDict(), dst_node_id=100, message_type=MessageType.TRAIN)]
 
 
+class EvaluatesOnClients(UserLevelDP):
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
+
 @pytest.mark.parametrize("strategy_class, error, message", [
+    (EvaluatesOnClients, ValueError, r"does not run federated evaluation.*EvaluatesOnClients's configure_evaluate "
+                                     r"would never run; evaluate centrally with evaluate_fn"),
     (SkipsTheCore, RuntimeError, r"without calling UserLevelDP.aggregate_train.*super\(\).aggregate_train"),
     (ReturnsOwnModel, ValueError, r"not the noised aggregate.*return the arrays of super\(\).aggregate_train"),
     (SendsOwnMessages, RuntimeError, r"without calling UserLevelDP.configure_train.*No noise was drawn"),
