@@ -277,9 +277,9 @@ def test_an_overridden_aggregate_train_shapes_the_result_but_not_the_published_r
     assert load_checkpoint(tmp_path)["state"]["round"] == 3
 
 
-def test_overrides_do_not_skip_the_empty_round_stop():
+def test_overrides_do_not_skip_the_empty_round_stop(tmp_path):
     """Nodes that fail every round: with both methods overridden, the run still stops after max_empty_rounds,
-    with exactly those rounds aggregated (noised, in the ledger) and seen by the override."""
+    with exactly those rounds aggregated (noised, in the ledger), seen by the override and checkpointed."""
     class Both(WithConfigKey, WithMetricsLog):
         pass
 
@@ -288,10 +288,12 @@ def test_overrides_do_not_skip_the_empty_round_stop():
             return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40))
         raise RuntimeError("out of memory")
 
-    strategy = Both(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2)
-    with pytest.raises(NoRepliesError, match="last 2 rounds"):
+    strategy = Both(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(NoRepliesError, match="last 2 rounds.*resume"):
         strategy.start(InProcessGrid({100: broken, 101: broken}), model_arrays(initial_model(TASK, 2)[0]))
     assert [t for t, _ in strategy.seen] == [1, 2] and strategy.state.ledger.rounds == 2
+    saved = load_checkpoint(tmp_path)["state"]
+    assert saved["round"] == 2 and len(saved["ledger"]["records"]) == 2
 
 
 class SkipsTheCore(UserLevelDP):
