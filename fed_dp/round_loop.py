@@ -5,6 +5,8 @@
         plan            = begin_round(state)        # refuses a round over the ε budget (the run then ends)
         replies         = exchange(plan)            # Flower messages, or local training in this process
         state, metrics  = finish_round(state, plan, replies.contributions)
+                          (an exchange that aggregates, as Flower's aggregate_train does, calls this step
+                           itself, once; if it returns without doing so, the loop does it: no round skips it)
         checkpoint      (public and secret parts committed atomically, before anything of round t is
                          evaluated, logged or handed to the caller)
         stop with NoRepliesError after ``max_empty_rounds`` rounds in a row in which users were sampled but
@@ -79,6 +81,10 @@ class RoundReplies:
 
 
 Exchange = Callable[[RoundPlan], RoundReplies]
+#: The core round on an exchange's replies (``finish_round``: re-clip, sum, noise, ÷B, optimizer step, ledger), given
+#: to an exchange that aggregates (``run_rounds(..., exchange_aggregates=True)``); callable once per round. Returns
+#: the new state and the round's public metrics.
+Aggregate = Callable[[RoundReplies], tuple[ServerState, dict[str, Any]]]
 
 
 @dataclass
@@ -134,9 +140,23 @@ def _format_epsilon(value: Any) -> str:
     return value if isinstance(value, str) else f"{value:.4f}"
 
 
+def _aggregate_once(state: ServerState, plan: RoundPlan,
+                    finished: list[tuple[RoundReplies, ServerState, dict[str, Any]]]) -> Aggregate:
+    """The :data:`Aggregate` of one round: ``finish_round`` on the replies, kept in ``finished``; a second call
+    is refused (one noise draw and one ledger entry per round)."""
+    def aggregate(replies: RoundReplies) -> tuple[ServerState, dict[str, Any]]:
+        if finished:
+            raise RuntimeError(f"round {plan.round + 1} is already aggregated: the core round runs once per round")
+        new_state, metrics = finish_round(state, plan, replies.contributions)
+        finished.append((replies, new_state, metrics))
+        return new_state, {key: value for key, value in metrics.items() if key != "nonprivate"}
+
+    return aggregate
+
+
 def run_rounds(
     state: ServerState,
-    exchange: Exchange,
+    exchange: Exchange | Callable[[RoundPlan, Aggregate], RoundReplies],
     *,
     rounds: int | None = None,
     evaluate: Callable[[int, torch.Tensor], dict[str, float]] | None = None,
@@ -145,6 +165,7 @@ def run_rounds(
     max_empty_rounds: int = 2,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
+    exchange_aggregates: bool = False,
 ) -> LoopResult:
     """Run rounds until ``rounds`` (default: the planned T) have been released, the budget refuses one, or
     replies stop coming. Returns the final state, one record per released round and why it stopped early.
@@ -154,6 +175,10 @@ def run_rounds(
     at each boundary of :data:`PHASES` (instrumentation, fault injection). Raises :class:`NoRepliesError`
     (after saving the checkpoint, so the run can be resumed) when ``max_empty_rounds`` rounds in a row
     sampled users but counted none.
+
+    ``exchange_aggregates``: ``exchange(plan, aggregate)`` gets the round's :data:`Aggregate` and may call it
+    (the Flower Strategy's ``aggregate_train`` does); the loop calls it on the returned replies when the exchange
+    did not, so that every round the loop releases went through ``finish_round`` exactly once.
     """
     rounds = state.config.rounds if rounds is None else rounds
     if not 1 <= rounds <= state.config.rounds:
@@ -208,9 +233,13 @@ def run_rounds(
                 stopped = str(refusal)
                 break
             phase("sampled", plan.round)
-            replies = exchange(plan)
+            finished: list[tuple[RoundReplies, ServerState, dict[str, Any]]] = []
+            aggregate = _aggregate_once(state, plan, finished)
+            replies = exchange(plan, aggregate) if exchange_aggregates else exchange(plan)
             phase("replied", plan.round)
-            state, metrics = finish_round(state, plan, replies.contributions)
+            if not finished:
+                aggregate(replies)
+            replies, state, metrics = finished[0]
             nonprivate = {**metrics.pop("nonprivate"), **replies.nonprivate}
             phase("aggregated", plan.round)
             # sampling, exchange, server round: it grows with the cohort, so it is the operator's, not published

@@ -43,13 +43,17 @@ def server_seed(environ: Mapping[str, str]) -> int | None:
     return int(text)
 
 
-def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str]) -> UserLevelDP:
+def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
+                  strategy_class: type[UserLevelDP] = UserLevelDP) -> UserLevelDP:
     """The ServerApp's strategy for ``run``: ``run.seed`` seeds the clients' local training only; the sampler and
-    the noise get :func:`server_seed` (see the module docstring)."""
+    the noise get :func:`server_seed` (see the module docstring). ``strategy_class``: a subclass of
+    :class:`UserLevelDP` to build instead (an app's own, overriding configure_train or aggregate_train)."""
+    if not (isinstance(strategy_class, type) and issubclass(strategy_class, UserLevelDP)):
+        raise ValueError(f"strategy_class must be UserLevelDP or a subclass of it, got {strategy_class!r}")
     privacy = run.privacy if run.privacy.num_users is not None else run.privacy.replace(num_users=num_users)
     if privacy.num_users != num_users:
         raise ValueError(f"privacy.num-users = {privacy.num_users} but the task has {num_users} users")
-    return UserLevelDP(
+    return strategy_class(
         privacy, run.optimizer.build(),
         adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
         seed=server_seed(environ), training_seed=run.run.seed, checkpoint_dir=run.server.checkpoint_dir,

@@ -10,9 +10,32 @@ fed-dp's sampler picks users (not Flower's node sampling: one node may host many
 sampled users gets one TRAIN message (``fed_dp.clients.protocol``), replies are read and validated, re-clipped
 to ζ per user, summed without weights, noised, divided by the fixed B, and the server optimizer steps; the
 ledger refuses rounds over the ε budget; with a checkpoint folder every round is saved atomically and a new
-run resumes there. The Flower methods ``configure_train`` / ``aggregate_train`` are the same steps one round at a
-time, for callers that drive rounds themselves; ``start`` runs them all with checkpoints, the budget and the
-stop after ``max_empty_rounds`` rounds without any counted user.
+run resumes there.
+
+As in Flower's own ``Strategy.start``, every round of ``start`` goes through ``configure_train`` (the round's
+messages), ``grid`` send-and-receive, ``aggregate_train`` (the new model and the round's metrics) and then the
+centralized ``evaluate_fn``; the round loop around them adds the checkpoint, the ε ledger and the stop after
+``max_empty_rounds`` rounds without any counted user, once per round. A subclass may override either method as
+with ``FedAvg``, and call the base method inside its override:
+
+- ``configure_train``: may add keys to ``config`` (they reach every node in the message's ``"config"`` record)
+  or change the messages the base method returns (more content, fewer messages: users of a node left out count
+  as dropped). It may not choose the users: they are the round's sample, drawn before the method is called.
+- ``configure_evaluate`` / ``aggregate_evaluate``: no override; federated evaluation would read users' data
+  outside the guarantee, and ``start`` refuses a subclass that overrides them. Evaluation is centralized:
+  ``evaluate_fn(round, arrays)``, Flower's hook, on the server's held-out data before round 1 and every
+  ``evaluate_every`` rounds.
+- ``aggregate_train``: may log, add, rename or drop metrics; what it returns is the round's entry of
+  ``result.train_metrics_clientapp``. The base method is the core round — re-clip to ζ per user, sum, Gaussian
+  noise, divide by the fixed B, optimizer step, ε ledger — and runs on every round: an override that returns
+  without calling it stops the run before any noise is drawn, and the arrays it returns must be the ones the base
+  method returned (the model is the noised aggregate, never something computed from raw replies). Published
+  records, ``results.json`` and the checkpoint hold the core round's metrics, not the override's.
+
+An override runs in the server with the replies in hand: anything it computes from them itself (a norm, a
+per-node count) is outside the privacy guarantee and must not be published. Called directly, one round at a
+time (a caller driving its own rounds), the two methods run the same round without checkpoint, evaluation or
+the empty-round stop, which only ``start`` adds.
 
 Clients answer with ``fed_dp.query_reply`` (which users a node hosts) and ``fed_dp.train_reply``
 (the clipped sum of its sampled users). Federated evaluation on users' data would be outside the privacy
@@ -50,7 +73,7 @@ from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
-from fed_dp.round_loop import RoundReplies, run_rounds
+from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
 
 log = logging.getLogger("fed_dp.server")
 
@@ -107,6 +130,32 @@ class DPResult(Result):
 def _numeric(metrics: dict[str, Any]) -> MetricRecord:
     return MetricRecord({k: float(v) for k, v in metrics.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+
+@dataclass
+class _Pending:
+    """A round between configure_train and aggregate_train: its plan, the messages sent, users asked per node,
+    sampled users on no node; under start, the round loop's core round and the exchange's duration."""
+
+    plan: RoundPlan
+    messages: list[Message]
+    asked: dict[int, int]
+    unreachable: int
+    aggregate: Aggregate | None = None
+    seconds: float | None = None
+
+
+class _Recorded:
+    """The round loop's :data:`~fed_dp.round_loop.Aggregate`, remembering what it aggregated (start checks that
+    aggregate_train ran it)."""
+
+    def __init__(self, aggregate: Aggregate) -> None:
+        self.aggregate, self.replies, self.state = aggregate, None, None
+
+    def __call__(self, replies: RoundReplies) -> tuple[ServerState, dict[str, Any]]:
+        self.state, metrics = self.aggregate(replies)
+        self.replies = replies
+        return self.state, metrics
 
 
 class UserLevelDP(Strategy):
@@ -171,7 +220,8 @@ class UserLevelDP(Strategy):
         # the clients' seed for their local shuffles: independent of the sampler's and the noise's
         shared = training_seed if training_seed is not None else seed
         self.client_seed = derive_seed(shared, "local-training") if shared is not None else entropy_seed()
-        self._pending: tuple[RoundPlan, list[Message], dict[int, int], int] | None = None
+        self._pending: _Pending | None = None
+        self._driven: tuple[RoundPlan, Aggregate] | None = None  # set by start around its configure_train call
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def _initialize(self, arrays: ArrayRecord) -> None:
@@ -220,12 +270,33 @@ class UserLevelDP(Strategy):
             f"(rounds released so far: {released}). Restart the SuperNodes, then submit the run again "
             "with the same server.checkpoint-dir to resume")
 
+    def _same_model(self, arrays: ArrayRecord, params: torch.Tensor) -> bool:
+        """Whether ``arrays`` hold exactly the model ``params`` (both read through the same ArrayRecord path, so
+        that a device or dtype of the server's state does not matter)."""
+        def flat(record: ArrayRecord) -> torch.Tensor:
+            return self.layout.flatten(dict(record.to_torch_state_dict()))
+
+        try:
+            return torch.equal(flat(arrays), flat(self.arrays(params)))
+        except (ValueError, RuntimeError):  # other names or shapes
+            return False
+
     def arrays(self, params: torch.Tensor) -> ArrayRecord:
         """A flat θ as the ArrayRecord of named tensors the nodes receive."""
         return ArrayRecord(torch_state_dict=OrderedDict((k, v.cpu()) for k, v in self.layout.unflatten(params).items()))
 
     # --- one round: messages out, replies in ---------------------------------------------------------------
-    def _messages(self, plan: RoundPlan, config: ConfigRecord | None) -> tuple[list[Message], dict[int, int], int]:
+    def _named(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        """The named tensors of ``arrays``, checked against the model's layout (names and shapes)."""
+        try:
+            return self.layout.unflatten(self.layout.flatten(dict(arrays.to_torch_state_dict())))
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(f"configure_train got arrays that are not this run's model ({error}): pass the arrays "
+                             "of the current global model (start passes them; after a round, the ones "
+                             "aggregate_train returned)") from error
+
+    def _messages(self, plan: RoundPlan, named: dict[str, torch.Tensor],
+                  config: ConfigRecord | None) -> tuple[list[Message], dict[int, int], int]:
         """TRAIN messages to the nodes hosting sampled users; also users asked per node and unreachable users
         (sampled users whose node is down or who are on no node)."""
         by_node: dict[int, list[int]] = defaultdict(list)
@@ -236,7 +307,6 @@ class UserLevelDP(Strategy):
                 by_node[node].append(user)
             else:
                 unreachable += 1
-        named = self.layout.unflatten(plan.params)
         messages = [protocol.train_message(plan, node, users, named, self.client_seed, dict(config or {}))
                     for node, users in sorted(by_node.items())]
         return messages, {node: len(users) for node, users in by_node.items()}, unreachable
@@ -292,29 +362,37 @@ class UserLevelDP(Strategy):
     # --- Flower's Strategy interface ---------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Round ``server_round`` (1-based): refuse it if over budget, sample users, one message per node."""
+        """Round ``server_round`` (1-based): one TRAIN message per node hosting users of the round's sample, with
+        ``arrays`` and ``config``. Under :meth:`start` the round was begun (budget checked, users sampled) by the
+        round loop; called directly, this refuses a round over the budget and samples its users."""
         if self.state is None:
             self._initialize(arrays)
         self._grid = grid
         self._ensure_users(grid, timeout=self.reply_timeout)
-        self._await_nodes(grid, self.state.round)
         if server_round != self.state.round + 1:
             raise ValueError(f"configure_train for round {server_round}, but the server is at round {self.state.round + 1}")
-        plan = begin_round(self.state)
-        messages, asked, unreachable = self._messages(plan, config)
-        self._pending = (plan, messages, asked, unreachable)
+        self._await_nodes(grid, self.state.round)  # the sample does not depend on this: nothing private is revealed
+        plan, aggregate = self._driven if self._driven is not None else (begin_round(self.state), None)
+        messages, asked, unreachable = self._messages(plan, self._named(arrays), config)
+        self._pending = _Pending(plan, messages, asked, unreachable, aggregate)
         return messages
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, re-clip, sum, noise, average over B, step the optimizer, account."""
-        if self._pending is None or self._pending[0].round + 1 != server_round:
+        """The core round on the replies (``fed_dp.round.finish_round``): validate them, re-clip to ζ per user,
+        sum, add the Gaussian noise, divide by the fixed B, step the server optimizer, record ε in the ledger.
+        Returns the new model and the round's public metrics (ε, δ, update norm, optimizer diagnostics)."""
+        pending = self._pending
+        if pending is None or pending.plan.round + 1 != server_round:
             raise ValueError(f"aggregate_train for round {server_round} without configure_train for it")
-        plan, messages, asked, unreachable = self._pending
         self._pending = None
-        received = self._replies(plan, messages, replies, asked, unreachable)
-        self.state, metrics = finish_round(self.state, plan, received.contributions)
-        metrics.pop("nonprivate")  # counts computed from users' data: never in a Flower metric record
+        received = self._replies(pending.plan, pending.messages, replies, pending.asked, pending.unreachable,
+                                 pending.seconds)
+        if pending.aggregate is not None:  # start: the round loop's own step, which it runs once
+            self.state, metrics = pending.aggregate(received)
+        else:
+            self.state, metrics = finish_round(self.state, pending.plan, received.contributions)
+            metrics.pop("nonprivate")  # counts computed from users' data: never in a Flower metric record
         return self.arrays(self.state.params), _numeric(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -339,17 +417,26 @@ class UserLevelDP(Strategy):
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> DPResult:
         """Run the rounds (default: all T of the privacy plan) and return the final model and the privacy spent.
 
+        Each round: ``configure_train`` → send and receive → ``aggregate_train`` → checkpoint → empty-round
+        check → ``evaluate_fn``, in the one round loop (``fed_dp.round_loop.run_rounds``); overrides of the two
+        methods take effect (module docstring). ``result.train_metrics_clientapp[t]`` is what ``aggregate_train``
+        returned for round t.
+
         ``timeout``: seconds to wait for one round's replies. ``train_config`` reaches every node in the
-        message's ``"config"`` record. ``evaluate_fn(round, arrays)``: centralized evaluation (Flower's
-        convention), before the first round and every ``evaluate_every`` rounds. Raises
+        message's ``"config"`` record (the same record every round, as in Flower). ``evaluate_fn(round, arrays)``:
+        centralized evaluation (Flower's convention), before the first round and every ``evaluate_every`` rounds.
+        Raises
         ``fed_dp.server.membership.NoUsersError`` when no node hosts a user,
         ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes`` stay connected and
         ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
         checkpoint resumable.
         """
-        if evaluate_config:
+        overridden = [name for name in ("configure_evaluate", "aggregate_evaluate")
+                      if getattr(type(self), name) is not getattr(UserLevelDP, name)]
+        if evaluate_config or overridden:
+            ignored = f": {type(self).__name__}'s {' and '.join(overridden)} would never run" if overridden else ""
             raise ValueError("UserLevelDP does not run federated evaluation (it would read users' data outside the "
-                             "privacy guarantee); evaluate centrally with evaluate_fn")
+                             f"privacy guarantee){ignored}; evaluate centrally with evaluate_fn")
         configure_logging()  # a ServerApp's output shows every round's ε, as Flower's strategies show theirs
         if self.state is None:
             self._initialize(initial_arrays)
@@ -359,19 +446,48 @@ class UserLevelDP(Strategy):
             log.warning("server.checkpoint-dir is not set: a crash cannot be resumed, and the operator's diagnostics "
                         "(which nodes failed or were late) are not kept")
         self._ensure_users(grid, timeout)
-        result = DPResult()
+        result, aggregated = DPResult(), {}
+        config = ConfigRecord() if train_config is None else train_config  # one record for all rounds, as Flower's
         resuming = self.checkpoint_dir and Path(self.checkpoint_dir, COMMIT_NAME).exists()
         if evaluate_fn is not None and self.evaluate_every and self.state.round == 0 and not resuming:
             initial = evaluate_fn(0, self.arrays(self.state.params))
             if initial is not None:
                 result.evaluate_metrics_serverapp[0] = initial
 
-        def exchange(plan: RoundPlan) -> RoundReplies:
-            self._await_nodes(grid, plan.round)  # the sampled cohort does not depend on this: nothing private is revealed
-            messages, asked, unreachable = self._messages(plan, train_config)
-            started = time.perf_counter()
+        def exchange(plan: RoundPlan, aggregate: Aggregate) -> RoundReplies:
+            """configure_train → send and receive → aggregate_train, as Flower's Strategy.start; ``aggregate`` is
+            the loop's core round, which the base aggregate_train runs (module docstring: what an override may
+            change)."""
+            server_round, core = plan.round + 1, _Recorded(aggregate)
+            self._driven = (plan, core)
+            try:
+                messages = list(self.configure_train(server_round, self.arrays(plan.params), config, grid))
+            finally:
+                self._driven = None
+            pending = self._pending
+            if pending is None or pending.plan is not plan:
+                raise RuntimeError(f"{type(self).__name__}.configure_train returned the messages of round "
+                                   f"{server_round} without calling UserLevelDP.configure_train, which builds them "
+                                   "for the users fed-dp's sampler drew: call super().configure_train(...) in the "
+                                   "override and change its config or messages. No noise was drawn for this round")
+            pending.messages, started = messages, time.perf_counter()
             replies = send_and_receive(grid, messages, timeout)
-            return self._replies(plan, messages, replies, asked, unreachable, time.perf_counter() - started)
+            pending.seconds = time.perf_counter() - started
+            arrays, metrics = self.aggregate_train(server_round, replies)
+            if core.replies is None:
+                self._pending = None
+                raise RuntimeError(f"{type(self).__name__}.aggregate_train returned round {server_round} without "
+                                   "calling UserLevelDP.aggregate_train, which re-clips, noises and accounts the "
+                                   "round: call super().aggregate_train(server_round, replies) in the override. "
+                                   "No noise was drawn and nothing was saved for this round")
+            if arrays is not None and not self._same_model(arrays, core.state.params):
+                raise ValueError(f"{type(self).__name__}.aggregate_train returned arrays for round {server_round} "
+                                 "that are not the noised aggregate UserLevelDP.aggregate_train computed: the model "
+                                 "must stay the output of the private mechanism; return the arrays of "
+                                 "super().aggregate_train (change the metrics only)")
+            if metrics is not None:
+                aggregated[server_round] = metrics
+            return core.replies
 
         def evaluate(server_round: int, params: torch.Tensor) -> dict[str, float]:
             metrics = evaluate_fn(server_round, self.arrays(params))
@@ -381,11 +497,12 @@ class UserLevelDP(Strategy):
 
         loop = run_rounds(self.state, exchange, rounds=num_rounds, evaluate=evaluate if evaluate_fn else None,
                           eval_every=self.evaluate_every, checkpoint_dir=self.checkpoint_dir,
-                          max_empty_rounds=self.max_empty_rounds, on_round=self.on_round)
+                          max_empty_rounds=self.max_empty_rounds, on_round=self.on_round, exchange_aggregates=True)
         self.state = loop.state
         final = loop.records[-1] if loop.records else {}
         result.arrays = self.arrays(self.state.params)
-        result.train_metrics_clientapp = {int(r["round"]) + 1: _numeric(r) for r in loop.records}
+        # rounds aggregated by this call: what aggregate_train returned (Flower's convention); resumed ones: their record
+        result.train_metrics_clientapp = {**{int(r["round"]) + 1: _numeric(r) for r in loop.records}, **aggregated}
         result.epsilon = final.get("epsilon", 0.0)
         result.delta, result.privacy = self.state.config.delta, self.state.config
         result.records, result.stopped = loop.records, loop.stopped

@@ -4,6 +4,7 @@
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
     fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR] [--with-training]
+    fed-dp new      FOLDER    (a Flower app using UserLevelDP, ready for `flwr run FOLDER`)
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu,small-users] [--no-flower] [--out DIR] [--smoke]
 
 Under ``torchrun`` (``torchrun --nproc_per_node 2 $(which fed-dp) simulate ...``) ``simulate`` and ``compare``
@@ -219,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     service.add_argument("--socket", required=True, metavar="PATH", help="the socket file to create")
     service.set_defaults(run=_run_node_service)
+    new = commands.add_parser(
+        "new", help="write a Flower app that trains with UserLevelDP, ready for `flwr run FOLDER`",
+        description="Write a runnable Flower app into FOLDER (which must not exist or be empty; its name is the "
+        "app's): pyproject.toml with every fed-dp run-config key, a ServerApp running UserLevelDP, fed-dp's "
+        "ClientApp and a small task.py (model, users' data, loss, evaluation) to edit. Then: flwr run FOLDER --stream",
+    )
+    new.add_argument("folder", metavar="FOLDER", help="the app's folder, e.g. my-app")
+    new.set_defaults(run=_run_new)
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
         description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "
@@ -227,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     _benchmark_arguments(benchmark)
     benchmark.set_defaults(run=_run_benchmark)
     return parser
+
+
+def _run_new(args: argparse.Namespace) -> None:
+    from fed_dp.simulations.new_app import write_app
+
+    folder = write_app(args.folder)
+    print(f"wrote a Flower app using fed-dp to {folder}/ (pyproject.toml, server_app.py, client_app.py, task.py, "
+          f"README.md); run it with: flwr run {folder} --stream")
 
 
 def _run_submit(args: argparse.Namespace) -> int:

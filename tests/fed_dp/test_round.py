@@ -295,3 +295,27 @@ def test_adaptive_clipping_resumes_exactly_and_refuses_bandmf(tmp_path, monkeypa
     bandmf = _adaptive_config(sampler="cyclic-poisson", noise="bandmf", bands=2)
     with pytest.raises(ValueError, match="BandMF"):
         init_server(bandmf, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1, adaptive_clipping=ADAPTIVE)
+
+
+def test_an_aggregating_exchange_runs_the_core_round_once_and_the_loop_runs_it_when_the_exchange_did_not():
+    """run_rounds(exchange_aggregates=True), the Flower Strategy's path: the exchange may run the round's core step
+    (finish_round) itself, once; a round whose exchange returns without it is aggregated by the loop, so every
+    released round is noised and in the ledger exactly once."""
+    from fed_dp.round_loop import RoundReplies, run_rounds
+
+    config = PrivacyConfig(num_users=40, expected_cohort=10, rounds=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
+    one_user = Contribution(torch.full((DIM,), 0.1), 1)
+
+    def exchange(plan, aggregate):
+        if plan.round == 0:  # aggregates itself, as UserLevelDP.aggregate_train does
+            state, metrics = aggregate(RoundReplies([one_user]))
+            assert state.round == 1 and "nonprivate" not in metrics
+            assert metrics["epsilon"] == pytest.approx(epsilon(config, 1))
+            with pytest.raises(RuntimeError, match="round 1 is already aggregated"):
+                aggregate(RoundReplies([one_user]))
+        return RoundReplies([one_user])
+
+    loop = run_rounds(init_server(config, make_optimizer("dp-fedavg"), torch.zeros(DIM), seed=1), exchange,
+                      exchange_aggregates=True, max_empty_rounds=10)
+    assert loop.state.round == 3 and len(loop.state.ledger.records) == 3
+    assert [r["epsilon"] for r in loop.records] == pytest.approx([epsilon(config, t) for t in (1, 2, 3)])

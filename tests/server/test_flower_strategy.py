@@ -7,6 +7,7 @@ and test_deployment.py; here messages are real ``flwr.app.Message`` objects pass
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fed_dp.accounting import epsilon, resolve_privacy
-from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
+from fed_dp.checkpoint import COMMIT_NAME, RESULTS_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients import protocol
 from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
 from fed_dp.clients.task import initial_model
@@ -22,7 +23,7 @@ from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import make_optimizer
 from fed_dp.round import Contribution, init_server, begin_round
-from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
+from fed_dp.server.flower_strategy import UserLevelDP, centralized_evaluation, model_arrays
 from fed_dp.server.membership import NoUsersError
 from fed_dp.round_loop import NoRepliesError
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
@@ -201,6 +202,135 @@ def test_configure_and_aggregate_train_run_the_same_round_as_start():
     assert torch.equal(arrays.to_torch_state_dict()["linear.weight"], whole.arrays.to_torch_state_dict()["linear.weight"])
     with pytest.raises(ValueError, match="without configure_train"):
         by_hand.aggregate_train(2, [])
+
+
+class WithConfigKey(UserLevelDP):
+    """Flower's usual extension: a key added to every round's train config before the base method runs."""
+
+    def configure_train(self, server_round, arrays, config, grid):
+        config["user-note"] = f"round {server_round}"
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+class WithMetricsLog(UserLevelDP):
+    """Flower's usual extension: the aggregated metrics logged and transformed (a key added, one renamed)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[int, float]] = []
+
+    def aggregate_train(self, server_round, replies):
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        self.seen.append((server_round, metrics["epsilon"]))
+        metrics["epsilon-percent-of-budget"] = 100 * metrics["epsilon"] / 4.0
+        metrics["eps"] = metrics.pop("epsilon")
+        return arrays, metrics
+
+
+def config_recording_grid(seen: list[dict]) -> InProcessGrid:
+    """The honest grid, its nodes recording the config of each TRAIN message they get (what a ClientApp reads)."""
+    grid = honest_grid()
+    for node_id, handler in list(grid.nodes.items()):
+        def recording(message: Message, handler=handler) -> Message:
+            if message.metadata.message_type == MessageType.TRAIN:
+                seen.append(protocol.parse_train_request(message).config)
+            return handler(message)
+        grid.nodes[node_id] = recording
+    return grid
+
+
+def test_an_overridden_configure_train_reaches_the_nodes_with_checkpoint_and_evaluation(tmp_path):
+    """Issue 27: start goes through configure_train, so a subclass's config key is in every TRAIN message and
+    reaches the ClientApp; the checkpoint, the ledger and the evaluation (round 0, then every round) still happen
+    once per round, and the model is the one the base strategy trains."""
+    seen: list[dict] = []
+    model = initial_model(TASK, 8)[0]
+    strategy = WithConfigKey(PRIVACY, "dp-fedavg", seed=8, checkpoint_dir=str(tmp_path / "ckpt"))
+    result = strategy.start(config_recording_grid(seen), model_arrays(model), evaluate_fn=centralized_evaluation(TASK))
+    assert seen and {c["user-note"] for c in seen} == {"round 1", "round 2", "round 3"}
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3]
+    assert all("eval_accuracy" in record for record in result.records)
+    saved = load_checkpoint(tmp_path / "ckpt")["state"]
+    assert saved["round"] == 3 and len(saved["ledger"]["records"]) == 3
+    assert [r["round"] for r in json.loads((tmp_path / "ckpt" / RESULTS_NAME).read_text())] == [0, 1, 2]
+    plain = UserLevelDP(PRIVACY, "dp-fedavg", seed=8).start(honest_grid(), model_arrays(model))
+    assert torch.equal(strategy.layout.flatten(dict(result.arrays.to_torch_state_dict())),
+                       strategy.layout.flatten(dict(plain.arrays.to_torch_state_dict())))
+
+
+def test_an_overridden_aggregate_train_shapes_the_result_but_not_the_published_records(tmp_path):
+    """Issue 27: start goes through aggregate_train, so a subclass sees every round's metrics and its returned
+    metrics are the result's train metrics; the published records and results.json keep the core round's keys,
+    and the checkpoint and evaluation still happen."""
+    strategy = WithMetricsLog(PRIVACY, "dp-fedavg", seed=9, checkpoint_dir=str(tmp_path))
+    result = strategy.start(honest_grid(), model_arrays(initial_model(TASK, 9)[0]),
+                            evaluate_fn=centralized_evaluation(TASK))
+    assert strategy.seen == [(t, pytest.approx(epsilon(PRIVACY, t))) for t in (1, 2, 3)]
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    for t, metrics in result.train_metrics_clientapp.items():
+        assert "epsilon" not in metrics and metrics["eps"] == pytest.approx(epsilon(PRIVACY, t))
+        assert metrics["epsilon-percent-of-budget"] == pytest.approx(25 * epsilon(PRIVACY, t))
+    published = json.loads((tmp_path / RESULTS_NAME).read_text())
+    assert [r["epsilon"] for r in published] == [r["epsilon"] for r in result.records]
+    assert not any("eps" in r or "epsilon-percent-of-budget" in r for r in published)
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3]
+    assert load_checkpoint(tmp_path)["state"]["round"] == 3
+
+
+def test_overrides_do_not_skip_the_empty_round_stop(tmp_path):
+    """Nodes that fail every round: with both methods overridden, the run still stops after max_empty_rounds,
+    with exactly those rounds aggregated (noised, in the ledger), seen by the override and checkpointed."""
+    class Both(WithConfigKey, WithMetricsLog):
+        pass
+
+    def broken(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40))
+        raise RuntimeError("out of memory")
+
+    strategy = Both(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(NoRepliesError, match="last 2 rounds.*resume"):
+        strategy.start(InProcessGrid({100: broken, 101: broken}), model_arrays(initial_model(TASK, 2)[0]))
+    assert [t for t, _ in strategy.seen] == [1, 2] and strategy.state.ledger.rounds == 2
+    saved = load_checkpoint(tmp_path)["state"]
+    assert saved["round"] == 2 and len(saved["ledger"]["records"]) == 2
+
+
+class SkipsTheCore(UserLevelDP):
+    def aggregate_train(self, server_round, replies):
+        return None, MetricRecord({"replies": float(len(list(replies)))})
+
+
+class ReturnsOwnModel(UserLevelDP):
+    def aggregate_train(self, server_round, replies):
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        return ArrayRecord(torch_state_dict={k: v + 1 for k, v in arrays.to_torch_state_dict().items()}), metrics
+
+
+class SendsOwnMessages(UserLevelDP):
+    def configure_train(self, server_round, arrays, config, grid):
+        return [Message(RecordDict(), dst_node_id=100, message_type=MessageType.TRAIN)]
+
+
+class EvaluatesOnClients(UserLevelDP):
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
+
+@pytest.mark.parametrize("strategy_class, error, message", [
+    (EvaluatesOnClients, ValueError, r"does not run federated evaluation.*EvaluatesOnClients's configure_evaluate "
+                                     r"would never run; evaluate centrally with evaluate_fn"),
+    (SkipsTheCore, RuntimeError, r"without calling UserLevelDP.aggregate_train.*super\(\).aggregate_train"),
+    (ReturnsOwnModel, ValueError, r"not the noised aggregate.*return the arrays of super\(\).aggregate_train"),
+    (SendsOwnMessages, RuntimeError, r"without calling UserLevelDP.configure_train.*No noise was drawn"),
+])
+def test_an_override_cannot_skip_the_noise_or_replace_the_model(tmp_path, strategy_class, error, message):
+    """What an override may not change: the core round (sampler, re-clip, noise, ledger) and the model it yields.
+    The run stops in round 1 with what to do, and nothing of that round is saved."""
+    strategy = strategy_class(PRIVACY, "dp-fedavg", seed=6, checkpoint_dir=str(tmp_path))
+    with pytest.raises(error, match=message):
+        strategy.start(honest_grid(), model_arrays(initial_model(TASK, 6)[0]))
+    assert not (tmp_path / COMMIT_NAME).exists()
 
 
 def test_nodes_without_a_query_handler_stop_the_run_before_any_budget_is_spent(tmp_path):

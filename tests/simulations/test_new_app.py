@@ -1,0 +1,73 @@
+"""`fed-dp new FOLDER` (issue 27 item 2): the app it writes runs under `flwr run` as a user runs it.
+
+The run goes through Flower's local SuperLink and simulation engine with runtime dependency installation on
+(Flower's default: `uv sync` of the app's [project] dependencies), which is what fails (exit code 608) when an
+app lists fed-dp there. The Flower processes import the fed-dp this test imports (PYTHONPATH), not another
+installed copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import fed_dp
+from fed_dp.accounting import epsilon, resolve_privacy
+from fed_dp.run_config import RunConfig, flower_defaults
+from fed_dp.server import local_simulation
+from fed_dp.simulations.cli import main
+
+RUN = {"privacy.rounds": 2, "privacy.expected-cohort": 4, "privacy.accountant": "rdp", "task.users": 8,
+       "task.examples": 10, "run.seed": 3}
+
+
+def test_fed_dp_new_writes_an_app_that_flwr_run_trains(tmp_path, capsys):
+    app = tmp_path / "my-app"
+    assert main(["new", str(app)]) == 0
+    assert f"flwr run {app} --stream" in capsys.readouterr().out
+    project = tomllib.loads((app / "pyproject.toml").read_text())
+    assert project["project"]["name"] == "my-app" and project["project"]["dependencies"] == []
+    assert "Do not list fed-dp below" in (app / "pyproject.toml").read_text()
+    components = project["tool"]["flwr"]["app"]["components"]
+    assert components == {"serverapp": "server_app:app", "clientapp": "client_app:app"}
+    config = {f"{table}.{key}": value for table, keys in project["tool"]["flwr"]["app"]["config"].items()
+              for key, value in keys.items()}
+    assert config == {**flower_defaults({"users": "", "examples": ""}), "task.ref": "task:make_task"}
+    assert RunConfig.from_flat(config).task.target == "task:make_task"
+
+    checkpoints = tmp_path / "checkpoints"
+    environment = {"PYTHONPATH": str(Path(fed_dp.__file__).resolve().parents[1]),  # this fed-dp, in every process
+                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                   "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "0"}  # Flower's default, as a user runs it
+    log = local_simulation.run(tmp_path / "home", {**RUN, "server.checkpoint-dir": str(checkpoints)}, 2, app=app,
+                               environment=environment)
+    # flwr run exits 0 even when the app fails: the outcome is read from the log and the results
+    assert "App dependencies installed successfully" in log and "608" not in log, log[-3000:]
+    privacy = resolve_privacy(RunConfig.from_flat(RUN).privacy, 8)
+    expected = [epsilon(privacy, t) for t in (1, 2)]
+    assert f"fed-dp finished: 2 rounds, user-level epsilon {expected[-1]:.4f}" in log, log[-3000:]
+    assert "2 rounds, user-level epsilon" in log and "last evaluation {'eval_loss'" in log  # server_app.py's line
+    results = json.loads((checkpoints / "results.json").read_text())
+    assert [r["round"] for r in results] == [0, 1]
+    assert [r["epsilon"] for r in results] == pytest.approx(expected)
+    assert all(0 <= r["eval_accuracy"] <= 1 for r in results)
+
+
+def test_fed_dp_new_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as refused:
+        main(["new", str(tmp_path / "taken")])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and error.count("\n") == 1 and "not an empty folder" in error
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine" and len(list((tmp_path / "taken").iterdir())) == 1
+    with pytest.raises(SystemExit) as refused:
+        main(["new", str(tmp_path / "9-lives")])
+    assert refused.value.code == 2 and "starting with a letter" in capsys.readouterr().err
+    assert main(["new", str(tmp_path / "empty")]) == 0 and (tmp_path / "empty" / "task.py").exists()
