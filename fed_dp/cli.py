@@ -234,13 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message. A command
-    that returns an integer exits with it (``fed-dp submit``: 1 when the run failed)."""
+    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message on one line
+    (no traceback: it is a bad argument or config, and the message says what to do). A command that returns an
+    integer exits with it (``fed-dp submit``: 1 when the run failed)."""
     args = parser.parse_args(argv)
     try:
         code = args.run(args)
     except ValueError as error:
-        parser.exit(2, f"fed-dp {args.command}: error: {error}\n")
+        parser.exit(2, f"fed-dp {args.command}: error: {' '.join(str(error).split())}\n")
     return code if isinstance(code, int) else 0
 
 

@@ -298,3 +298,67 @@ def test_console_script_epsilon_json():
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert bad.returncode == 2 and "rdp" in bad.stderr
+
+
+# --- fed-dp simulate: a bad argument is one line on stderr and exit status 2, never a traceback -----------------
+
+
+def _simulate_fails(capsys, argv: list[str]) -> str:
+    """Run ``fed-dp simulate ARGV`` in this process; the one line it printed on stderr (exit status 2, no output)."""
+    from fed_dp.simulations.cli import main as fed_dp_main
+
+    with pytest.raises(SystemExit) as excinfo:
+        fed_dp_main(["simulate", *argv, "--quiet", "--no-plot"])
+    captured = capsys.readouterr()
+    assert excinfo.value.code == 2, captured.err
+    assert captured.out == "" and "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fed-dp simulate: error: "), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("source, words", [
+    pytest.param("raise RuntimeError('no data here')\n", ["raised RuntimeError: no data here", "fix the module"],
+                 id="raises-at-import"),
+    pytest.param("def make_task(:\n", ["raised SyntaxError", "fix the module"], id="syntax-error"),
+])
+def test_simulate_with_a_task_module_that_fails_to_import_exits_2(capsys, tmp_path, monkeypatch, source, words):
+    module = f"broken_task_{'syntax' if 'def' in source else 'raises'}"
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)  # --task modules import from the current folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    line = _simulate_fails(capsys, ["--task", f"{module}:make_task"])
+    for word in [f"{module}:make_task", *words]:
+        assert word in line, (word, line)
+
+
+def test_simulate_out_naming_an_existing_file_exits_2(capsys, tmp_path):
+    existing = tmp_path / "results.txt"
+    existing.write_text("not a folder")
+    line = _simulate_fails(capsys, ["heavy-tail-quick", "--out", str(existing)])
+    assert f"--out {str(existing)!r} is an existing file; name a folder" in line
+    assert existing.read_text() == "not a folder"
+
+
+def test_simulate_built_in_dataset_without_its_files_exits_2(capsys, tmp_path):
+    """The built-in CIFAR-10 config with a task.root that holds no CIFAR-10: the loader's own message, on one line."""
+    line = _simulate_fails(capsys, ["cifar10", "--set", f"task.root={tmp_path / 'nowhere'}"])
+    assert "building the task: FileNotFoundError: CIFAR-10 not found in" in line and "data_batch_1" in line
+
+
+def test_simulate_task_without_a_required_option_exits_2(capsys, tmp_path):
+    """A task whose factory needs ``root`` and is given none: what to set, not a TypeError."""
+    config = tmp_path / "no-root.toml"
+    config.write_text('[task]\nref = "cifar10"\n')
+    line = _simulate_fails(capsys, [str(config)])
+    assert "needs root: set task.root in the config's [task] table" in line
+
+
+@pytest.mark.parametrize("override, words", [
+    pytest.param("privacy.rounds=abc", ["privacy.rounds", "int"], id="wrong-type"),
+    pytest.param("local.lr=-1", ["lr"], id="out-of-range"),
+])
+def test_simulate_bad_config_values_exit_2(capsys, override, words):
+    line = _simulate_fails(capsys, ["heavy-tail-quick", "--set", override])
+    for word in words:
+        assert word in line, (word, line)
