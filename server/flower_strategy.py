@@ -192,9 +192,13 @@ class UserLevelDP(Strategy):
     def _ensure_users(self, grid: Grid, timeout: float) -> None:
         """Discover the nodes and their users once (``fed_dp.server.membership``)."""
         if self.membership is None:
-            membership = Membership(self.state.config.num_users, query_timeout=timeout)
+            membership = Membership(self.state.config.num_users, query_timeout=timeout, model=self._fingerprint())
             membership.start(grid, self.min_nodes, self.node_wait, probe=probe_size(grid))
             self.membership = membership
+
+    def _fingerprint(self) -> list[str]:
+        """The server's model as nodes report theirs (``protocol.model_fingerprint``): names and shapes, in order."""
+        return protocol.model_fingerprint({spec.name: spec.shape for spec in self.layout.specs})
 
     def _await_nodes(self, grid: Grid, released: int) -> None:
         """Before a round (``released`` rounds so far): follow nodes that left or came back; wait up to

@@ -56,6 +56,7 @@ def _setting_up(what: str, step: Callable[[], Any]) -> Any:
 
 def _run_simulation(args: argparse.Namespace) -> None:
     from fed_dp.clients.task import build_task
+    from fed_dp.round_loop import TrainingStopped
     from fed_dp.simulations.experiments.plots import plot_all
     from fed_dp.simulations.experiments.runner import (DEFAULT_CONFIG, format_table, parse_experiment, read_results,
                                                         run_experiment)
@@ -74,6 +75,10 @@ def _run_simulation(args: argparse.Namespace) -> None:
         quiet = args.quiet or not leader
         rows = run_experiment(config, out, progress=not quiet, log=print if not quiet else (lambda *_: None),
                               write=leader, task=task)
+    except TrainingStopped as stop:  # a user's data or the task failed: say so, and where the model so far is
+        if leader:
+            print(_stopped_line(args.command, stop, out), file=sys.stderr)
+        sys.exit(1)
     finally:
         if workers is not None:
             import torch.distributed as dist
@@ -87,6 +92,19 @@ def _run_simulation(args: argparse.Namespace) -> None:
     if not args.no_plot:
         figures = plot_all(read_results(out), out)
         print("figures: " + ", ".join(str(f) for f in figures))
+
+
+def _stopped_line(command: str, stop: Any, out: Path) -> str:
+    """One line for a run that a user's failure stopped (``fed_dp.round_loop.TrainingStopped``): the round and the
+    user, what was released, and where the model after the last released round and the records are."""
+    where = [f"{stop.saved} (its state_dict)"] if getattr(stop, "saved", None) else []
+    if stop.checkpoint_dir is not None:
+        where.append(f"the checkpoint folder {stop.checkpoint_dir} (run again with it to resume)")
+    spent = stop.records[-1]["epsilon"] if stop.records else 0
+    return (f"fed-dp {command}: stopped: {' '.join(str(stop.failure).split())}. Nothing of round "
+            f"{stop.failure.round_number} was released; {stop.state.round} round(s) were (epsilon so far "
+            f"{spent if isinstance(spent, str) else f'{spent:.4f}'}). The model after round {stop.state.round}: "
+            f"{' and '.join(where) or 'not saved'}; the records so far: {out}/rounds-<optimizer>.jsonl")
 
 
 def _join_torchrun(config: dict):
