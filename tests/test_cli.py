@@ -362,3 +362,19 @@ def test_simulate_bad_config_values_exit_2(capsys, override, words):
     line = _simulate_fails(capsys, ["heavy-tail-quick", "--set", override])
     for word in words:
         assert word in line, (word, line)
+
+
+
+def test_calibrate_blt_with_separation_1_warns_on_one_line_naming_the_plans_that_fit(capsys, tmp_path, monkeypatch):
+    """Issue 27: the warning of fed_dp.accounting.unamplified_blt_advice, on stderr before the answer."""
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    assert main(["calibrate", "--epsilon", "2", "--num-users", "1000", "--expected-cohort", "50", "--rounds", "40",
+                 "--delta", "1e-5", "--sampler", "cyclic-poisson", "--noise", "blt", "--buffers", "4",
+                 "--accountant", "rdp", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    (line,) = captured.err.splitlines()
+    assert line.startswith("fed-dp calibrate: warning: noise 'blt' with sampler 'cyclic-poisson' and bands = 1 plans "
+                           "for min-separation 1")
+    assert f"needs sigma = {result['noise_multiplier']:.4g}. For the same epsilon: sampler 'min-sep' (separation " \
+           "N // B = 20): sigma = " in line and "noise 'independent' with sampler 'poisson'" in line
