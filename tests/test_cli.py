@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
+import torch
 from dp_accounting import pld, rdp
 
 from fed_dp.cli import main
@@ -378,3 +379,53 @@ def test_calibrate_blt_with_separation_1_warns_on_one_line_naming_the_plans_that
                            "for min-separation 1")
     assert f"needs sigma = {result['noise_multiplier']:.4g}. For the same epsilon: sampler 'min-sep' (separation " \
            "N // B = 20): sigma = " in line and "noise 'independent' with sampler 'poisson'" in line
+
+
+LAZY_TASK = '''
+import torch
+from torch import nn
+
+from fed_dp import Task, Users, losses
+
+LOADS = {"n": 0}
+
+
+def make_task(users: int = 20, failing: int = 3):
+    """Users loaded on demand; user ``failing`` cannot be loaded after the first round (its file went missing)."""
+    g = torch.Generator().manual_seed(0)
+    data = {i: (torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for i in range(users)}
+
+    def load(uid):
+        LOADS["n"] += 1
+        if uid == failing and LOADS["n"] > users:
+            raise FileNotFoundError(f"users/{uid}.pt")
+        return data[uid]
+
+    return Task(name="lazy", users=Users(list(range(users)), load), model=lambda: nn.Linear(6, 3),
+                loss=losses.classification)
+'''
+
+
+def test_simulate_stopped_by_a_user_says_which_and_where_the_model_so_far_is(capsys, tmp_path, monkeypatch):
+    """Issue 27: a user that cannot be loaded stops the run in that round, naming round and user, with the model
+    after the last released round saved (and the records so far): one line on stderr, exit status 1."""
+    from fed_dp.simulations.cli import main as fed_dp_main
+
+    (tmp_path / "lazy_task_cli.py").write_text(LAZY_TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as excinfo:  # every user every round: user 3 fails in round 2
+        fed_dp_main(["simulate", "--task", "lazy_task_cli:make_task", "--set", "privacy.sampler=all",
+                     "--set", "privacy.expected-cohort=20", "--set", "privacy.rounds=3", "--set",
+                     "privacy.noise-multiplier=1.0", "--set", "privacy.accountant=rdp", "--out", "out", "--quiet",
+                     "--no-plot"])
+    assert excinfo.value.code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("fed-dp simulate: stopped: round 2, user 3: ValueError: loading the examples of user 3 "
+                           "failed: FileNotFoundError: users/3.pt. Nothing of round 2 was released; 1 round(s) were")
+    assert line.endswith("The model after round 1: out/model-dp-adam.pt (its state_dict); the records so far: "
+                         "out/rounds-<optimizer>.jsonl")
+    saved = torch.load(tmp_path / "out" / "model-dp-adam.pt")
+    assert set(saved) == {"weight", "bias"} and saved["weight"].shape == (3, 6)
+    records = [json.loads(r) for r in (tmp_path / "out" / "rounds-dp-adam.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0]
