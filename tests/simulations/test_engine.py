@@ -194,8 +194,9 @@ def test_bad_task_inputs_get_clear_errors():
         train("not a task", _privacy(), "dp-sgd")
     regression = Task(name="float-targets", users=Users.in_memory([(torch.randn(3, 6), torch.randn(3))] * 40),
                       model=lambda: nn.Linear(6, 3), loss=losses.classification)
-    with pytest.raises(ValueError, match="regression target"):
-        train(regression, _privacy(), "dp-sgd", seed=0)
+    with pytest.raises(TrainingStopped, match=r"round 1, user \d+: ValueError: .*regression target") as stopped:
+        train(regression, _privacy(), "dp-sgd", seed=0)  # the first round's users train with the wrong loss
+    assert isinstance(stopped.value.__cause__.__cause__, ValueError) and stopped.value.result.records == []
     not_a_module = Task(name="x", users=task.users, model=lambda: "model", loss=losses.classification)
     with pytest.raises(ValueError, match="not a torch.nn.Module"):
         train(not_a_module, _privacy(), "dp-sgd", seed=0)
