@@ -14,7 +14,8 @@ run resumes there. The Flower methods ``configure_train`` / ``aggregate_train`` 
 time, for callers that drive rounds themselves; ``start`` runs them all with checkpoints, the budget and the
 stop after ``max_empty_rounds`` rounds without any counted user.
 
-Clients answer with ``fed_dp.query_reply`` (which users a node hosts) and ``fed_dp.train_reply``
+Clients answer with ``fed_dp.query_reply`` (which users a node hosts, and the model it trains: a node whose
+model differs from the server's is refused before round 1) and ``fed_dp.train_reply``
 (the clipped sum of its sampled users). Federated evaluation on users' data would be outside the privacy
 guarantee: this strategy evaluates centrally (``evaluate_fn``) and sends no EVALUATE messages.
 """
@@ -347,7 +348,9 @@ class UserLevelDP(Strategy):
         message's ``"config"`` record. ``evaluate_fn(round, arrays)``: centralized evaluation (Flower's
         convention), before the first round and every ``evaluate_every`` rounds. Raises
         ``fed_dp.server.membership.NoUsersError`` when no node hosts a user,
-        ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes`` stay connected and
+        ``fed_dp.server.membership.ModelMismatchError`` when a node reports another model than the initial
+        arrays' (before round 1), ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes``
+        stay connected and
         ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
         checkpoint resumable.
         """
