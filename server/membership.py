@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fed_dp.clients import protocol
@@ -214,7 +215,7 @@ class Membership:
                                 "asked again before the next round", node_id, self.query_timeout)
         return failures
 
-    def _check_model(self, node_id: int, reply, hosted: Sequence[int], *, at_start: bool) -> bool:
+    def _check_model(self, node_id: int, reply: Message, hosted: Sequence[int], *, at_start: bool) -> bool:
         """Whether the node's model (its fingerprint in the reply) is the server's. A mismatch raises
         :class:`ModelMismatchError` at the start (before any round: no budget spent), naming the node and the first
         parameter that differs; later the node is logged and not used. A reply without a fingerprint (a ClientApp
