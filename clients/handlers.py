@@ -35,7 +35,8 @@ def answer_query(msg: Message, context: Context) -> Message:
 
     trainer = _trainer(context)
     name = str(context.node_config.get("name", "")) or None
-    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), name=name)
+    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), name=name,
+                       model=trainer.model)
 
 
 def answer_train(msg: Message, context: Context) -> Message:

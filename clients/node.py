@@ -1,12 +1,14 @@
 """What a node does for the server: host users, and train the sampled ones into one clipped reply.
 
-A ClientApp of your own needs two handlers (the project's own ``fed_dp.clients.app`` is exactly this):
+A ClientApp of your own needs two handlers (the project's own ``fed_dp.clients.app`` is exactly this); the query
+reply names the model the node trains, so that the server refuses a node whose model differs from its own before
+round 1, instead of spending rounds of budget on noise:
 
     trainer = LocalTrainer(make_task(), LocalTraining(batch_size=16, lr=0.1))
 
     @app.query()
     def query(msg, context):
-        return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users))
+        return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), model=trainer.model)
 
     @app.train()
     def train(msg, context):
@@ -27,12 +29,12 @@ import torch
 from flwr.app import Message
 
 from fed_dp.clients import protocol
-from fed_dp.clients.task import Task, Users
-from fed_dp.clients.training import LocalRound, keep_freed_memory, resolve_device, use_fast_format
+from fed_dp.clients.task import Examples, Task, Users
+from fed_dp.clients.training import LocalRound, UserExamples, keep_freed_memory, resolve_device, use_fast_format
 from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
-from fed_dp.contribution import Contribution
+from fed_dp.contribution import Contribution, UserTrainingError
 
 __all__ = ["LocalTrainer", "hosted_users", "parse_users", "query_reply", "train_reply"]
 
@@ -121,13 +123,42 @@ class LocalTrainer:
                      scale: torch.Tensor | None, send_squares: bool, seed: int,
                      source: str = "") -> tuple[Contribution, dict[str, float], Path]:
         """Σ of the clipped updates of ``users`` (indices) trained from the flat θ ``params``, their count (and
-        Σu²), the training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`)."""
-        examples = [(int(u), self.users[int(u)]) for u in users]
+        Σu²), the training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`).
+
+        A user whose examples fail to load, or whose training raises, stops the call with
+        :class:`~fed_dp.contribution.UserTrainingError` naming the round (``round_index + 1``) and that user."""
+        examples = [(int(u), self._load(int(u), round_index)) for u in users]
         work = LocalRound(params=params.to(self.device), round_index=round_index, clip_norm=clip_norm,
                           scale=None if scale is None else scale.to(self.device), send_squares=send_squares,
                           model=self.model, layout=self.layout, training=self.local, loss=self.task.loss, seed=seed,
                           source=source)
-        return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
+        try:
+            return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
+        except Exception as error:
+            raise self._failure(examples, work, error) from error
+
+    def _load(self, user: int, round_index: int) -> Examples:
+        """The examples of ``user``; UserTrainingError naming the round and the user when they fail to load."""
+        try:
+            return self.users[user]
+        except Exception as error:
+            raise UserTrainingError(round_index + 1, user, self._id(user), error) from error
+
+    def _id(self, user: int) -> Any:
+        ids = self.task.users.ids
+        return ids[user] if 0 <= user < len(ids) else user
+
+    def _failure(self, examples: Sequence[UserExamples], work: LocalRound, error: Exception) -> UserTrainingError:
+        """``error``, raised while training ``examples`` together, as the UserTrainingError of the first user whose
+        training alone raises (found by training them one at a time from the same θ: an error path, nothing of it
+        is released); the first user when none does alone."""
+        for user, data in examples if len(examples) > 1 else ():
+            try:
+                contribution([(user, data)], work, vectorized=False)
+            except Exception as alone:
+                return UserTrainingError(work.round_index + 1, user, self._id(user), alone)
+        user = examples[0][0] if examples else -1
+        return UserTrainingError(work.round_index + 1, user, self._id(user), error)
 
 
 def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] | None = None) -> Message:

@@ -3,8 +3,15 @@
 QUERY, "which users do you host?" (once per node id, when the server first sees it connected):
 
     server → node   {"fed-dp.query": ConfigRecord{"what": "users"}}
-    node → server   {"fed-dp.users": ConfigRecord{"users": [sampler indices 0..N−1], "name": stable name (optional)}}
-    a virtual node  {"fed-dp.users": ConfigRecord{"users": [], "virtual-nodes": P, "num-users": N}}
+    node → server   {"fed-dp.users": ConfigRecord{"users": [sampler indices 0..N−1], "name": stable name (optional),
+                                                   "model": ["name:shape", ...] (optional)}}
+    a virtual node  {"fed-dp.users": ConfigRecord{"users": [], "virtual-nodes": P, "num-users": N, "model": ...}}
+
+``model`` is the node's model fingerprint (:func:`model_fingerprint`): its trained parameters' names and shapes, in
+order. The server compares it with its own model before round 1 and refuses a node whose model differs
+(:func:`fingerprint_mismatch`), before any round is sampled or any noise drawn. It is optional, so replies of
+nodes that do not send it still parse (the check is then skipped, with a warning) and the protocol version is
+unchanged.
 
 A virtual SuperNode of Flower's simulation engine builds the whole task, so it can train any of the N users
 (:class:`VirtualNodeUsers`); on such an answer from one node the server assigns the users to the P virtual nodes
@@ -38,6 +45,7 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from torch import nn
 
 from fed_dp.contribution import Contribution, RoundPlan
 
@@ -47,9 +55,9 @@ MODEL, SCALE, ROUND, CONFIG = "fed-dp.model", "fed-dp.scale", "fed-dp.round", "c
 UPDATE, REPLY, METRICS = "fed-dp.update", "fed-dp.reply", "metrics"
 
 __all__ = [
-    "ReplyError", "TrainRequest", "VirtualNodeUsers", "destinations", "make_train_reply", "node_name", "parse_train_reply",
-    "parse_train_request", "parse_users_reply", "query_reply", "replying_node", "train_message", "users_query",
-    "virtual_nodes",
+    "ReplyError", "TrainRequest", "VirtualNodeUsers", "destinations", "fingerprint_mismatch", "make_train_reply",
+    "model_fingerprint", "node_fingerprint", "node_name", "parse_train_reply", "parse_train_request",
+    "parse_users_reply", "query_reply", "replying_node", "train_message", "users_query", "virtual_nodes",
 ]
 
 
@@ -82,18 +90,59 @@ class VirtualNodeUsers(tuple):
         return users
 
 
-def query_reply(msg: Message, users: Sequence[int], name: str | None = None) -> Message:
-    """A node's answer: the sampler indices of the users it hosts, and optionally its stable ``name`` (the server
-    recognises a restarted node by it; without one, by its user ranges). For :class:`VirtualNodeUsers` (a virtual
-    node of Flower's simulation engine, ``fed_dp.hosted_users``), the number of virtual nodes and N instead."""
+def model_fingerprint(model: nn.Module | Mapping[str, torch.Tensor | Sequence[int]]) -> list[str]:
+    """``["name:d0xd1x...", ...]``: the names and shapes of a model's trained parameters, in order: its
+    ``named_parameters()``, or a mapping of name → tensor (or shape); a scalar's shape is empty (``"name:"``)."""
+    named = model.named_parameters() if isinstance(model, nn.Module) else model.items()
+    return [f"{name}:{'x'.join(str(int(n)) for n in getattr(value, 'shape', value))}" for name, value in named]
+
+
+def _describe(entry: str | None) -> str:
+    if entry is None:
+        return "nothing (no parameter there)"
+    name, _, shape = entry.rpartition(":")
+    return f"{name!r} of shape ({', '.join(shape.split('x')) if shape else ''})"
+
+
+def fingerprint_mismatch(server: Sequence[str], node: Sequence[str]) -> str | None:
+    """None when the two fingerprints (:func:`model_fingerprint`) agree, else the first parameter that differs,
+    with its name and shape on each side."""
+    if list(server) == list(node):
+        return None
+    index = next(i for i in range(max(len(server), len(node)))
+                 if i >= len(server) or i >= len(node) or server[i] != node[i])
+    mine = server[index] if index < len(server) else None
+    theirs = node[index] if index < len(node) else None
+    return (f"parameter #{index + 1} is {_describe(theirs)} on the node but {_describe(mine)} on the server "
+            f"(the node's model has {len(node)} parameter tensors, the server's {len(server)})")
+
+
+def node_fingerprint(reply: Message) -> list[str] | None:
+    """The model fingerprint a node sent with its answer to the user query; None if it sent none."""
+    answer = reply.content[USERS] if USERS in reply.content else {}
+    return [str(entry) for entry in answer["model"]] if "model" in answer else None
+
+
+def query_reply(msg: Message, users: Sequence[int], name: str | None = None,
+                model: nn.Module | Mapping[str, torch.Tensor] | None = None) -> Message:
+    """A node's answer: the sampler indices of the users it hosts, optionally its stable ``name`` (the server
+    recognises a restarted node by it; without one, by its user ranges) and the ``model`` it trains (an
+    ``nn.Module`` or its named parameters: the server refuses a model other than its own before round 1, naming
+    the first parameter that differs; pass it). For :class:`VirtualNodeUsers` (a virtual node of Flower's
+    simulation engine, ``fed_dp.hosted_users``), the number of virtual nodes and N instead of the indices."""
     if QUERY not in msg.content:
         raise ValueError("this QUERY is not fed-dp's user query (it has no 'fed-dp.query' record)")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ValueError(f"a node's name must be a non-empty string, got {name!r}")
+    if model is not None and not isinstance(model, (nn.Module, Mapping)):
+        raise ValueError(f"model must be the node's torch.nn.Module or its named parameters, got "
+                         f"{type(model).__name__}")
     if isinstance(users, VirtualNodeUsers):
         answer = {"users": [], "virtual-nodes": users.nodes, "num-users": len(users)}
     else:
         answer = {"users": [int(u) for u in users]}
+    if model is not None:
+        answer["model"] = model_fingerprint(model)
     answer = ConfigRecord(answer | ({"name": name.strip()} if name is not None else {}))
     return Message(content=RecordDict({USERS: answer}), reply_to=msg)
 

@@ -291,6 +291,10 @@ def load_task(target: str, options: Mapping[str, Any] | None = None) -> Task:
         raise ValueError(f"task reference {target!r}: module {module_name!r} does not import ({error}); is it "
                          "installed, or on PYTHONPATH (for Flower: inside the app folder or installed on every "
                          "machine)?") from error
+    except Exception as error:  # the module itself fails: a syntax error, or code at its top level that raises
+        raise ValueError(f"task reference {target!r}: importing module {module_name!r} raised "
+                         f"{type(error).__name__}: {error}; fix the module (python -c 'import "
+                         f"{module_name}' shows the traceback)") from error
     factory = module
     for part in attribute.split("."):
         if not hasattr(factory, part):
@@ -304,6 +308,12 @@ def load_task(target: str, options: Mapping[str, Any] | None = None) -> Task:
     if unknown:
         raise ValueError(f"task {target!r} does not take {', '.join(k.replace('_', '-') for k in unknown)}; it "
                          f"takes {', '.join(k.replace('_', '-') for k in parameters) or 'no options'}")
+    needed = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty and name not in options
+              and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        raise ValueError(f"task {target!r} needs {', '.join(k.replace('_', '-') for k in needed)}: set "
+                         + " and ".join(f"task.{k.replace('_', '-')}" for k in needed) + " in the config's [task] "
+                         "table (with fed-dp simulate also --set task.KEY=VALUE)")
     task = factory(**options)
     if not isinstance(task, Task):
         raise ValueError(f"task factory {target!r} returned a {type(task).__name__}; it must return a fed_dp.Task")

@@ -6,7 +6,7 @@ The public API, importable from here (loaded on first use, so ``import fed_dp`` 
 
     Bring your task                Task, Users, Examples, losses, evaluation, load_task
     Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer
-    Simulate in this process       train -> TrainResult
+    Simulate in this process       train -> TrainResult (TrainingStopped, with .result, when a user fails)
     Run on Flower (server side)    UserLevelDP (a flwr Strategy), model_arrays, centralized_evaluation
     Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users
     Account                        epsilon, epsilon_schedule, calibrate_noise_multiplier, resolve_privacy
@@ -69,6 +69,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "resolve_privacy": ("fed_dp.accounting", "resolve_privacy"),
     "train": ("fed_dp.simulations.engine.inprocess", "train"),
     "TrainResult": ("fed_dp.simulations.engine.inprocess", "TrainResult"),
+    "TrainingStopped": ("fed_dp.round_loop", "TrainingStopped"),
     "UserLevelDP": ("fed_dp.server.flower_strategy", "UserLevelDP"),
     "DPResult": ("fed_dp.server.flower_strategy", "DPResult"),
     "model_arrays": ("fed_dp.server.flower_strategy", "model_arrays"),

@@ -26,6 +26,7 @@ import bisect
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -560,13 +561,57 @@ def calibrate_noise_multiplier(config: PrivacyConfig, target_epsilon: float) -> 
     return _certified_sigma(config, target_epsilon, root, slope)
 
 
+class UnamplifiedBLTWarning(UserWarning):
+    """BLT noise planned for min-separation 1: no amplification and the sensitivity of T participations."""
+
+
+def unamplified_blt_advice(config: PrivacyConfig) -> str | None:
+    """What to use instead of BLT noise planned for min-separation 1 (None for any other plan).
+
+    BLT's ε is Gaussian(σ/sens_T) with no amplification by sampling (``fed_dp.sampling.blt_dp_event``), and
+    with min-separation 1 (cyclic-poisson with bands = 1, or min-sep with N // B = 1) sens_T is that of a user
+    in every one of the T rounds: σ grows with T. For the same ε at δ (the target, else this plan's ε), the
+    advice gives the σ this plan needs and, calibrated here (:func:`calibrate_noise_multiplier`), the σ of the
+    plans that fit: BLT with sampler min-sep (separation N // B, when that exceeds 1) and independent noise with
+    Poisson sampling (amplified)."""
+    if config.noise != "blt" or config.min_separation != 1:
+        return None
+    target = config.target_epsilon if config.target_epsilon is not None else epsilon(config)
+    mine = config.noise_multiplier if config.target_epsilon is None else calibrate_noise_multiplier(config, target)
+    options = []
+    separation = config.num_users // config.expected_cohort
+    if separation > 1:
+        min_sep = config.replace(sampler="min-sep", bands=1, max_participations=None)
+        options.append(f"sampler 'min-sep' (separation N // B = {separation}): "
+                       f"sigma = {calibrate_noise_multiplier(min_sep, target):.4g}")
+    poisson = config.replace(sampler="poisson", noise="independent", buffers=None, bands=1, workload="prefix-sum",
+                             momentum=0.0, max_participations=None)
+    options.append(f"noise 'independent' with sampler 'poisson' (amplified by sampling): "
+                   f"sigma = {calibrate_noise_multiplier(poisson, target):.4g}")
+    return (f"noise 'blt' with sampler {config.sampler!r}" + (" and bands = 1" if config.sampler == "cyclic-poisson"
+                                                              else "") +
+            f" plans for min-separation 1: the BLT gets no amplification from sampling and is accounted for a "
+            f"user in all T = {config.rounds} rounds, so epsilon {target:.4g} at delta {config.delta:g} needs "
+            f"sigma = {mine:.4g}. For the same epsilon: " + "; ".join(options) +
+            ". Use one of those (or cyclic-poisson with bands > 1)")
+
+
+def warn_unamplified_blt(config: PrivacyConfig) -> None:
+    """Warn (:class:`UnamplifiedBLTWarning`) when :func:`unamplified_blt_advice` has advice for ``config``."""
+    advice = unamplified_blt_advice(config)
+    if advice is not None:
+        warnings.warn(advice, UnamplifiedBLTWarning, stacklevel=3)
+
+
 def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> PrivacyConfig:
     """The config with its population and σ filled in: what samplers, noise and accounting run on.
 
     ``num_users`` is the task's population N; it fills ``config.num_users`` when that is None and must
     equal it otherwise. With ``target_epsilon``, σ is calibrated now (:func:`calibrate_noise_multiplier`:
     the smallest σ whose T-round ε at δ is at most the target) and the result carries that σ, with
-    ``target_epsilon`` cleared. A config that is already resolved is returned as it is.
+    ``target_epsilon`` cleared; BLT noise planned for min-separation 1 is warned about first
+    (:func:`warn_unamplified_blt`, with the σ of the plans that fit). A config that is already resolved is
+    returned as it is.
     """
     if num_users is not None:
         if config.num_users is not None and config.num_users != num_users:
@@ -579,6 +624,7 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
     if config.num_users is None:
         raise ValueError("the population size is unknown: give num_users (the number of users of the task)")
     if config.target_epsilon is not None:
+        warn_unamplified_blt(config)  # where a σ of, say, 91 would be chosen for it
         sigma = calibrate_noise_multiplier(config, config.target_epsilon)
         config = config.replace(target_epsilon=None, noise_multiplier=sigma)
     return config

@@ -18,7 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fed_dp.accounting import calibrate_noise_multiplier, checked_epsilon, compute_epsilon_schedule, epsilon
+from fed_dp.accounting import (calibrate_noise_multiplier, checked_epsilon, compute_epsilon_schedule, epsilon,
+                               unamplified_blt_advice)
 from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
 from fed_dp.sampling import dp_event, guarantee, neighboring_relation
@@ -166,8 +167,16 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
+def _warn_unamplified_blt(command: str, config: PrivacyConfig) -> None:
+    """On stderr, before the answer: what fits better than BLT planned for min-separation 1 (one line)."""
+    advice = unamplified_blt_advice(config)
+    if advice is not None:
+        print(f"fed-dp {command}: warning: {advice}", file=sys.stderr, flush=True)
+
+
 def _run_epsilon(args: argparse.Namespace) -> None:
     config = _config(args, args.noise_multiplier)
+    _warn_unamplified_blt("epsilon", config)
     if config.rounds >= LONG_ROUNDS:
         print(f"fed-dp epsilon: accounting {config.rounds:,} rounds with {config.accountant} can take minutes"
               + (" (progress on stderr)" if args.per_round else ""), file=sys.stderr, flush=True)
@@ -193,6 +202,7 @@ def _run_epsilon(args: argparse.Namespace) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> None:
     config = _config(args, 1.0)
+    _warn_unamplified_blt("calibrate", config.replace(noise_multiplier=None, target_epsilon=args.epsilon))
     sigma = calibrate_noise_multiplier(config, args.epsilon)
     calibrated = config.replace(noise_multiplier=sigma)
     achieved = epsilon(calibrated)
@@ -234,13 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message. A command
-    that returns an integer exits with it (``fed-dp submit``: 1 when the run failed)."""
+    """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message on one line
+    (no traceback: it is a bad argument or config, and the message says what to do). A command that returns an
+    integer exits with it (``fed-dp submit``: 1 when the run failed)."""
     args = parser.parse_args(argv)
     try:
         code = args.run(args)
     except ValueError as error:
-        parser.exit(2, f"fed-dp {args.command}: error: {error}\n")
+        parser.exit(2, f"fed-dp {args.command}: error: {' '.join(str(error).split())}\n")
     return code if isinstance(code, int) else 0
 
 

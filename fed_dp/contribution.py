@@ -7,6 +7,7 @@ these 2-core machines without dp_accounting and scipy, and Flower starts one per
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -36,3 +37,13 @@ class RoundPlan:
     scale: torch.Tensor | None
     send_squares: bool
     send_clip_bits: bool = False
+
+
+class UserTrainingError(RuntimeError):
+    """Loading or training one user failed: the message names the round (1-based, as the logs count) and the user
+    (sampler index, and the user's id when it differs); the original error is the ``__cause__``."""
+
+    def __init__(self, round_number: int, user: int, user_id: Hashable, cause: BaseException) -> None:
+        self.round_number, self.user, self.user_id = round_number, user, user_id
+        who = f"user {user}" + (f" (id {user_id!r})" if user_id != user else "")
+        super().__init__(f"round {round_number}, {who}: {type(cause).__name__}: {cause}")

@@ -49,7 +49,7 @@ from fed_dp.atomic import write_atomically
 from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published, operator_log_file, read_diagnostics,
                                read_published, resume_with_secret, save_checkpoint)
 from fed_dp.context import in_simulation
-from fed_dp.contribution import Contribution, RoundPlan
+from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 from fed_dp.round import ServerState, begin_round, finish_round
 
 log = logging.getLogger("fed_dp.server")
@@ -66,6 +66,35 @@ PHASES = ("sampled", "replied", "aggregated", "saved", "evaluated", "published")
 
 class NoRepliesError(RuntimeError):
     """Several rounds in a row sampled users but counted none of them: the run stops before spending more."""
+
+
+class TrainingStopped(RuntimeError):
+    """A user failed to load or train (:class:`~fed_dp.contribution.UserTrainingError`, its ``__cause__``): the run
+    stopped before releasing that round, so nothing of the partly trained round left this process and no budget
+    was spent on it. ``state`` and ``records`` are the run after the last released round (the model so far; an
+    engine may attach its own ``result``); with a checkpoint folder, that round is committed there."""
+
+    def __init__(self, failure: UserTrainingError, state: ServerState, records: list[dict[str, Any]],
+                 checkpoint_dir: str | Path | None) -> None:
+        self.failure, self.state, self.records = failure, state, records
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        spent = _format_epsilon(records[-1]["epsilon"]) if records else "0"
+        kept = (f"saved in {checkpoint_dir} (start the run again with it to resume, once the user's data or the "
+                "task is fixed)" if checkpoint_dir else "returned with this error (its .result, or .state.params)")
+        super().__init__(f"{failure}. The run stopped before releasing round {failure.round_number}: nothing of it "
+                         f"was released; {state.round} round(s) were (epsilon so far {spent}), and the model after "
+                         f"round {state.round} is {kept}")
+
+
+def _exchange_or_stop(exchange: Callable[[], "RoundReplies"], state: ServerState, records: list[dict[str, Any]],
+                      checkpoint_dir: str | Path | None) -> "RoundReplies":
+    """``exchange()`` (the round's exchange, bound to its plan); a user who failed to load or train stops the run
+    (:class:`TrainingStopped`) rather than releasing a round without that user's contribution or repeating the
+    failure round after round."""
+    try:
+        return exchange()
+    except UserTrainingError as failure:
+        raise TrainingStopped(failure, state, records, checkpoint_dir) from failure
 
 
 @dataclass
@@ -95,15 +124,19 @@ class LoopResult:
 
 
 def _why_no_replies(nonprivate: dict[str, Any], checkpoint_dir: str | None, simulated: bool) -> str:
-    """The reasons of the last empty round for NoRepliesError. In a deployment they stay in the operator's log:
-    which nodes were asked depends on who was sampled, and an exception's text reaches the run's public status."""
+    """The reasons of the last empty round for NoRepliesError. In a deployment with a checkpoint folder they stay
+    in the operator's log (which nodes were asked depends on who was sampled, and an exception's text reaches the
+    run's public status); without one there is no such log, so the message carries the first reason the nodes
+    gave and how many failed — the operator's only way to learn why the run stopped."""
+    failures = nonprivate.get("failures", [])
     if simulated:
-        return f"Why: {'; '.join(nonprivate.get('failures', [])) or 'no replies'}"
+        return f"Why: {'; '.join(failures) or 'no replies'}"
     if checkpoint_dir:
         return f"Why, per node and round: {operator_log_file(checkpoint_dir)} (kept out of this message because " \
                "which nodes were asked depends on who was sampled)"
-    return ("Why is not kept: set server.checkpoint-dir, and the operator's log of each node's failures is "
-            "written to its secret/operator.log")
+    first = f"the first of {len(failures)} failure(s) of the last round: {failures[0]}" if failures else "no replies"
+    return (f"Why: {first} (with server.checkpoint-dir set, every node's reason of every round goes to the "
+            "operator's secret/operator.log instead of this message)")
 
 
 NONPRIVATE = "nonprivate_"
@@ -235,7 +268,9 @@ def run_rounds(
             phase("sampled", plan.round)
             finished: list[tuple[RoundReplies, ServerState, dict[str, Any]]] = []
             aggregate = _aggregate_once(state, plan, finished)
-            replies = exchange(plan, aggregate) if exchange_aggregates else exchange(plan)
+            replies = _exchange_or_stop(
+                (lambda: exchange(plan, aggregate)) if exchange_aggregates else (lambda: exchange(plan)),
+                state, records, checkpoint_dir)
             phase("replied", plan.round)
             if not finished:
                 aggregate(replies)

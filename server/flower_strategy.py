@@ -37,7 +37,8 @@ per-node count) is outside the privacy guarantee and must not be published. Call
 time (a caller driving its own rounds), the two methods run the same round without checkpoint, evaluation or
 the empty-round stop, which only ``start`` adds.
 
-Clients answer with ``fed_dp.query_reply`` (which users a node hosts) and ``fed_dp.train_reply``
+Clients answer with ``fed_dp.query_reply`` (which users a node hosts, and the model it trains: a node whose
+model differs from the server's is refused before round 1) and ``fed_dp.train_reply``
 (the clipped sum of its sampled users). Federated evaluation on users' data would be outside the privacy
 guarantee: this strategy evaluates centrally (``evaluate_fn``) and sends no EVALUATE messages.
 """
@@ -242,9 +243,13 @@ class UserLevelDP(Strategy):
     def _ensure_users(self, grid: Grid, timeout: float) -> None:
         """Discover the nodes and their users once (``fed_dp.server.membership``)."""
         if self.membership is None:
-            membership = Membership(self.state.config.num_users, query_timeout=timeout)
+            membership = Membership(self.state.config.num_users, query_timeout=timeout, model=self._fingerprint())
             membership.start(grid, self.min_nodes, self.node_wait, probe=probe_size(grid))
             self.membership = membership
+
+    def _fingerprint(self) -> list[str]:
+        """The server's model as nodes report theirs (``protocol.model_fingerprint``): names and shapes, in order."""
+        return protocol.model_fingerprint({spec.name: spec.shape for spec in self.layout.specs})
 
     def _await_nodes(self, grid: Grid, released: int) -> None:
         """Before a round (``released`` rounds so far): follow nodes that left or came back; wait up to
@@ -427,7 +432,9 @@ class UserLevelDP(Strategy):
         centralized evaluation (Flower's convention), before the first round and every ``evaluate_every`` rounds.
         Raises
         ``fed_dp.server.membership.NoUsersError`` when no node hosts a user,
-        ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes`` stay connected and
+        ``fed_dp.server.membership.ModelMismatchError`` when a node reports another model than the initial
+        arrays' (before round 1), ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes``
+        stay connected and
         ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
         checkpoint resumable.
         """

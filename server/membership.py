@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fed_dp.clients import protocol
@@ -43,6 +44,11 @@ log = logging.getLogger("fed_dp.server")
 
 class NoUsersError(RuntimeError):
     """No connected node hosts any user: a run would spend its budget on noise alone."""
+
+
+class ModelMismatchError(ValueError):
+    """A node trains another model than the server's (parameter names or shapes differ): refused before round 1,
+    so no round is sampled and no budget spent."""
 
 
 class NotEnoughNodesError(RuntimeError):
@@ -104,11 +110,14 @@ class Membership:
     """The user → node map of a run, refreshed before every round (module docstring).
 
     ``num_users``: N (answers must name users in 0..N−1); ``query_timeout``: seconds to wait for answers to
-    the user query.
+    the user query; ``model``: the server's model fingerprint (``protocol.model_fingerprint``): a node that
+    reports another is refused (:meth:`_check_model`).
     """
 
-    def __init__(self, num_users: int, query_timeout: float) -> None:
+    def __init__(self, num_users: int, query_timeout: float, model: Sequence[str] | None = None) -> None:
         self.num_users, self.query_timeout = num_users, query_timeout
+        self.model = None if model is None else list(model)
+        self._unchecked = False  # a node answered without its model fingerprint (warned once)
         self.nodes: dict[str, Node] = {}
         self.owner: dict[int, str] = {}  # user → node name
         self._seen: set[int] = set()  # node ids that answered the user query (used, replaced or refused)
@@ -190,6 +199,8 @@ class Membership:
                 continue
             self._seen.add(node_id)
             self._silent.discard(node_id)
+            if not self._check_model(node_id, reply, hosted, at_start=at_start):
+                continue
             if virtual is not None or self.virtual is not None:
                 self._note_virtual(node_id, virtual, at_start=at_start)
                 continue
@@ -203,6 +214,32 @@ class Membership:
                     log.warning("node id %d is connected but did not answer the user query within %.0f s; it is "
                                 "asked again before the next round", node_id, self.query_timeout)
         return failures
+
+    def _check_model(self, node_id: int, reply: Message, hosted: Sequence[int], *, at_start: bool) -> bool:
+        """Whether the node's model (its fingerprint in the reply) is the server's. A mismatch raises
+        :class:`ModelMismatchError` at the start (before any round: no budget spent), naming the node and the first
+        parameter that differs; later the node is logged and not used. A reply without a fingerprint (a ClientApp
+        that does not pass ``model`` to ``query_reply``) is accepted, with a warning once."""
+        if self.model is None:
+            return True
+        fingerprint = protocol.node_fingerprint(reply)
+        if fingerprint is None:
+            if not self._unchecked:
+                self._unchecked = True
+                log.warning("node id %d did not report its model in its answer to the user query, so the server "
+                            "cannot check before round 1 that it trains the same model; pass model= to "
+                            "fed_dp.query_reply", node_id)
+            return True
+        why = protocol.fingerprint_mismatch(self.model, fingerprint)
+        if why is None:
+            return True
+        name = protocol.node_name(reply) or (f"users {format_users(hosted)}" if hosted else "a virtual node")
+        message = (f"node id {node_id} ({name}) trains another model than the server's: {why}. The ClientApp and "
+                   "the ServerApp must build the same model (the Strategy's initial arrays are its named parameters)")
+        if at_start:
+            raise ModelMismatchError(message + "; no round was sampled and no privacy budget was spent")
+        log.error("%s; it is not used", message)
+        return False
 
     def _note_virtual(self, node_id: int, nodes: int | None, *, at_start: bool) -> None:
         """Record that ``node_id`` answered as one of ``nodes`` virtual nodes. Refused (an error at the start, else

@@ -19,36 +19,67 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from fed_dp import cli as accounting_cli
 
 
+#: What a bad argument or config raises while a run is set up (before anything trains): the command prints its
+#: message on one line and exits 2. Later, while training, only ValueError is reported so; anything else is a bug
+#: and keeps its traceback.
+SETUP_ERRORS = (ValueError, TypeError, OSError, ImportError, SyntaxError, KeyError)
+
+
 def _out_dir(args: argparse.Namespace, config_name: str) -> Path:
+    """The results folder: ``--out`` (which must not be an existing file), else results/<config>-<time>."""
     if args.out:
-        return Path(args.out)
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {args.out!r} is an existing file; name a folder (it is created if missing)")
+        return out
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("results") / f"{Path(config_name).stem}-{stamp}"
 
 
+def _setting_up(what: str, step: Callable[[], Any]) -> Any:
+    """``step()``, with any of :data:`SETUP_ERRORS` turned into a ValueError saying ``what`` failed (the CLI prints
+    it as one line and exits 2, no traceback)."""
+    try:
+        return step()
+    except SETUP_ERRORS as error:
+        if type(error) is ValueError:
+            raise
+        raise ValueError(f"{what}: {type(error).__name__}: {error}") from error
+
+
 def _run_simulation(args: argparse.Namespace) -> None:
+    from fed_dp.clients.task import build_task
+    from fed_dp.round_loop import TrainingStopped
     from fed_dp.simulations.experiments.plots import plot_all
-    from fed_dp.simulations.experiments.runner import DEFAULT_CONFIG, format_table, read_results, run_experiment
+    from fed_dp.simulations.experiments.runner import (DEFAULT_CONFIG, format_table, parse_experiment, read_results,
+                                                        run_experiment)
 
     # A task of the user's own starts from the run configuration's defaults unless a config is named too: the
     # built-in default config is for its own task.
-    config = _simulation_config(args)
+    config = _setting_up("reading the config", lambda: _simulation_config(args))
     if getattr(args, "optimizers", None):
         config.setdefault("run", {})["optimizers"] = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
+    experiment = _setting_up("checking the config", lambda: parse_experiment(config))
+    task = _setting_up("building the task", lambda: build_task(experiment.base.task))
     workers = _join_torchrun(config)
     leader = workers is None or workers.leader  # under torchrun only rank 0 reports and writes
     try:
         quiet = args.quiet or not leader
         rows = run_experiment(config, out, progress=not quiet, log=print if not quiet else (lambda *_: None),
-                              write=leader)
+                              write=leader, task=task)
+    except TrainingStopped as stop:  # a user's data or the task failed: say so, and where the model so far is
+        if leader:
+            print(_stopped_line(args.command, stop, out), file=sys.stderr)
+        sys.exit(1)
     finally:
         if workers is not None:
             import torch.distributed as dist
@@ -62,6 +93,19 @@ def _run_simulation(args: argparse.Namespace) -> None:
     if not args.no_plot:
         figures = plot_all(read_results(out), out)
         print("figures: " + ", ".join(str(f) for f in figures))
+
+
+def _stopped_line(command: str, stop: Any, out: Path) -> str:
+    """One line for a run that a user's failure stopped (``fed_dp.round_loop.TrainingStopped``): the round and the
+    user, what was released, and where the model after the last released round and the records are."""
+    where = [f"{stop.saved} (its state_dict)"] if getattr(stop, "saved", None) else []
+    if stop.checkpoint_dir is not None:
+        where.append(f"the checkpoint folder {stop.checkpoint_dir} (run again with it to resume)")
+    spent = stop.records[-1]["epsilon"] if stop.records else 0
+    return (f"fed-dp {command}: stopped: {' '.join(str(stop.failure).split())}. Nothing of round "
+            f"{stop.failure.round_number} was released; {stop.state.round} round(s) were (epsilon so far "
+            f"{spent if isinstance(spent, str) else f'{spent:.4f}'}). The model after round {stop.state.round}: "
+            f"{' and '.join(where) or 'not saved'}; the records so far: {out}/rounds-<optimizer>.jsonl")
 
 
 def _join_torchrun(config: dict):

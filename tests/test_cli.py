@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
+import torch
 from dp_accounting import pld, rdp
 
 from fed_dp.cli import main
@@ -298,3 +299,133 @@ def test_console_script_epsilon_json():
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert bad.returncode == 2 and "rdp" in bad.stderr
+
+
+# --- fed-dp simulate: a bad argument is one line on stderr and exit status 2, never a traceback -----------------
+
+
+def _simulate_fails(capsys, argv: list[str]) -> str:
+    """Run ``fed-dp simulate ARGV`` in this process; the one line it printed on stderr (exit status 2, no output)."""
+    from fed_dp.simulations.cli import main as fed_dp_main
+
+    with pytest.raises(SystemExit) as excinfo:
+        fed_dp_main(["simulate", *argv, "--quiet", "--no-plot"])
+    captured = capsys.readouterr()
+    assert excinfo.value.code == 2, captured.err
+    assert captured.out == "" and "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fed-dp simulate: error: "), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("source, words", [
+    pytest.param("raise RuntimeError('no data here')\n", ["raised RuntimeError: no data here", "fix the module"],
+                 id="raises-at-import"),
+    pytest.param("def make_task(:\n", ["raised SyntaxError", "fix the module"], id="syntax-error"),
+])
+def test_simulate_with_a_task_module_that_fails_to_import_exits_2(capsys, tmp_path, monkeypatch, source, words):
+    module = f"broken_task_{'syntax' if 'def' in source else 'raises'}"
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)  # --task modules import from the current folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    line = _simulate_fails(capsys, ["--task", f"{module}:make_task"])
+    for word in [f"{module}:make_task", *words]:
+        assert word in line, (word, line)
+
+
+def test_simulate_out_naming_an_existing_file_exits_2(capsys, tmp_path):
+    existing = tmp_path / "results.txt"
+    existing.write_text("not a folder")
+    line = _simulate_fails(capsys, ["heavy-tail-quick", "--out", str(existing)])
+    assert f"--out {str(existing)!r} is an existing file; name a folder" in line
+    assert existing.read_text() == "not a folder"
+
+
+def test_simulate_built_in_dataset_without_its_files_exits_2(capsys, tmp_path):
+    """The built-in CIFAR-10 config with a task.root that holds no CIFAR-10: the loader's own message, on one line."""
+    line = _simulate_fails(capsys, ["cifar10", "--set", f"task.root={tmp_path / 'nowhere'}"])
+    assert "building the task: FileNotFoundError: CIFAR-10 not found in" in line and "data_batch_1" in line
+
+
+def test_simulate_task_without_a_required_option_exits_2(capsys, tmp_path):
+    """A task whose factory needs ``root`` and is given none: what to set, not a TypeError."""
+    config = tmp_path / "no-root.toml"
+    config.write_text('[task]\nref = "cifar10"\n')
+    line = _simulate_fails(capsys, [str(config)])
+    assert "needs root: set task.root in the config's [task] table" in line
+
+
+@pytest.mark.parametrize("override, words", [
+    pytest.param("privacy.rounds=abc", ["privacy.rounds", "int"], id="wrong-type"),
+    pytest.param("local.lr=-1", ["lr"], id="out-of-range"),
+])
+def test_simulate_bad_config_values_exit_2(capsys, override, words):
+    line = _simulate_fails(capsys, ["heavy-tail-quick", "--set", override])
+    for word in words:
+        assert word in line, (word, line)
+
+
+
+def test_calibrate_blt_with_separation_1_warns_on_one_line_naming_the_plans_that_fit(capsys, tmp_path, monkeypatch):
+    """Issue 27: the warning of fed_dp.accounting.unamplified_blt_advice, on stderr before the answer."""
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    assert main(["calibrate", "--epsilon", "2", "--num-users", "1000", "--expected-cohort", "50", "--rounds", "40",
+                 "--delta", "1e-5", "--sampler", "cyclic-poisson", "--noise", "blt", "--buffers", "4",
+                 "--accountant", "rdp", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    (line,) = captured.err.splitlines()
+    assert line.startswith("fed-dp calibrate: warning: noise 'blt' with sampler 'cyclic-poisson' and bands = 1 plans "
+                           "for min-separation 1")
+    assert f"needs sigma = {result['noise_multiplier']:.4g}. For the same epsilon: sampler 'min-sep' (separation " \
+           "N // B = 20): sigma = " in line and "noise 'independent' with sampler 'poisson'" in line
+
+
+LAZY_TASK = '''
+import torch
+from torch import nn
+
+from fed_dp import Task, Users, losses
+
+LOADS = {"n": 0}
+
+
+def make_task(users: int = 20, failing: int = 3):
+    """Users loaded on demand; user ``failing`` cannot be loaded after the first round (its file went missing)."""
+    g = torch.Generator().manual_seed(0)
+    data = {i: (torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for i in range(users)}
+
+    def load(uid):
+        LOADS["n"] += 1
+        if uid == failing and LOADS["n"] > users:
+            raise FileNotFoundError(f"users/{uid}.pt")
+        return data[uid]
+
+    return Task(name="lazy", users=Users(list(range(users)), load), model=lambda: nn.Linear(6, 3),
+                loss=losses.classification)
+'''
+
+
+def test_simulate_stopped_by_a_user_says_which_and_where_the_model_so_far_is(capsys, tmp_path, monkeypatch):
+    """Issue 27: a user that cannot be loaded stops the run in that round, naming round and user, with the model
+    after the last released round saved (and the records so far): one line on stderr, exit status 1."""
+    from fed_dp.simulations.cli import main as fed_dp_main
+
+    (tmp_path / "lazy_task_cli.py").write_text(LAZY_TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as excinfo:  # every user every round: user 3 fails in round 2
+        fed_dp_main(["simulate", "--task", "lazy_task_cli:make_task", "--set", "privacy.sampler=all",
+                     "--set", "privacy.expected-cohort=20", "--set", "privacy.rounds=3", "--set",
+                     "privacy.noise-multiplier=1.0", "--set", "privacy.accountant=rdp", "--out", "out", "--quiet",
+                     "--no-plot"])
+    assert excinfo.value.code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("fed-dp simulate: stopped: round 2, user 3: ValueError: loading the examples of user 3 "
+                           "failed: FileNotFoundError: users/3.pt. Nothing of round 2 was released; 1 round(s) were")
+    assert line.endswith("The model after round 1: out/model-dp-adam.pt (its state_dict); the records so far: "
+                         "out/rounds-<optimizer>.jsonl")
+    saved = torch.load(tmp_path / "out" / "model-dp-adam.pt")
+    assert set(saved) == {"weight", "bias"} and saved["weight"].shape == (3, 6)
+    records = [json.loads(r) for r in (tmp_path / "out" / "rounds-dp-adam.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0]

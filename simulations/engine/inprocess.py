@@ -42,7 +42,7 @@ from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
-from fed_dp.round_loop import RoundReplies, run_rounds
+from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
@@ -121,6 +121,11 @@ def train(
     noise_source: ``"torch"`` (seeded: reproducible) or ``"secure"`` (AES-CTR from OS entropy; needs seed=None).
     on_phase: called at each phase boundary of a round (``fed_dp.round_loop.PHASES``).
 
+    A user whose examples fail to load or whose training raises stops the run with
+    ``fed_dp.round_loop.TrainingStopped``, naming the round and the user, before that round is released; the
+    model after the last released round is the error's ``result`` (a TrainResult) and, with ``checkpoint_dir``,
+    committed there.
+
     Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
     path that ran as ``vectorized``, all prefixed ``nonprivate_``), the optimizer's diagnostics,
     ``nonprivate_round_seconds`` and evaluation metrics. Keys starting ``nonprivate_`` (counts, losses, durations) stay in memory and in the checkpoint's
@@ -168,6 +173,12 @@ def train(
         try:
             loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
                               max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase)
+        except TrainingStopped as stop:  # the model after the last released round comes back with the error
+            stop.result = _stopped_result(model, layout, privacy, stop)
+            if workers is not None:
+                stop_workers(workers)
+                dist.broadcast_object_list([None], src=0)
+            raise
         except BaseException:
             if workers is not None:  # between rounds: the workers wait for a header, then for the result
                 stop_workers(workers)
@@ -185,6 +196,14 @@ def train(
     if workers is not None:
         dist.broadcast_object_list([_public(result)], src=0)
     return result
+
+
+def _stopped_result(model: nn.Module, layout: Any, privacy: PrivacyConfig, stop: TrainingStopped) -> TrainResult:
+    """The run of ``stop`` up to its last released round, as a TrainResult (its ``stopped`` says why)."""
+    load_params(model, layout, stop.state.params)
+    final = stop.records[-1] if stop.records else {}
+    return TrainResult(model=model, params=stop.state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
+                       privacy=privacy, records=stop.records, stopped=str(stop), state=stop.state)
 
 
 def _public(result: TrainResult) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from fed_dp.accounting import epsilon_schedule, resolve_privacy
@@ -34,6 +35,7 @@ from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import OPTIMIZERS
 from fed_dp.randomness import entropy_seed
+from fed_dp.round_loop import TrainingStopped
 from fed_dp.run_config import RunConfig, apply_overrides
 from fed_dp.simulations.engine.inprocess import train
 
@@ -233,16 +235,32 @@ def run_experiment(
                            noise_source=run.server.chosen_noise_source or "torch",
                            checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
                            max_empty_rounds=run.server.max_empty_rounds)
+        except TrainingStopped as stop:
+            if write:
+                _write_rounds(out, name, stop.records)
+                stop.saved = _save_model(out, name, stop.result.model)
+            raise
         finally:
             bar.close()
         if write:
-            with (out / f"rounds-{name}.jsonl").open("w") as handle:
-                for record in result.records:
-                    handle.write(json.dumps({"optimizer": name, **record}, default=str) + "\n")
+            _write_rounds(out, name, result.records)
         rows.append(_summary_row(name, result.records, time.perf_counter() - start))
     if write:
         (out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     return rows
+
+
+def _write_rounds(out: Path, name: str, records: list[dict[str, Any]]) -> None:
+    with (out / f"rounds-{name}.jsonl").open("w") as handle:
+        for record in records:
+            handle.write(json.dumps({"optimizer": name, **record}, default=str) + "\n")
+
+
+def _save_model(out: Path, name: str, model: torch.nn.Module) -> Path:
+    """``out/model-<optimizer>.pt``: the model's state_dict (``torch.load`` it into the task's model)."""
+    path = out / f"model-{name}.pt"
+    torch.save(model.state_dict(), path)
+    return path
 
 
 def read_results(folder: str | Path) -> dict[str, list[dict[str, Any]]]:

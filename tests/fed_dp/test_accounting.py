@@ -644,3 +644,45 @@ def test_without_replacement_epsilon_equals_an_independent_computation(num_users
     independent = min(rounds * _log_wor_rdp_bound(cohort / num_users, sigma / 2, a) / (a - 1)
                       + math.log((a - 1) / a) - (math.log(1e-5) + math.log(a)) / (a - 1) for a in range(2, 257))
     assert epsilon(config) == pytest.approx(independent, rel=1e-9)
+
+
+# --- BLT planned for min-separation 1 (issue 27): warned about, with the σ of the plans that fit ---------------
+
+
+def _unamplified_blt(**changes) -> PrivacyConfig:
+    base = dict(num_users=1000, expected_cohort=50, rounds=40, target_epsilon=2.0, delta=1e-5, sampler="cyclic-poisson",
+                noise="blt", buffers=4, accountant="rdp")
+    return PrivacyConfig(**{**base, **changes})
+
+
+def test_blt_with_separation_1_is_warned_about_naming_the_samplers_that_fit_and_their_sigma(tmp_path, monkeypatch):
+    """Issue 27: BLT with the default cyclic-poisson sampler and bands = 1 silently planned with separation 1 and no
+    amplification (σ = 91 for ε = 2 at StackOverflow's size, where min-sep needs 4.9 and independent Poisson noise
+    0.71). Calibrating it now warns with the σ each plan needs for the same ε, from the project's calibration."""
+    from fed_dp.accounting import UnamplifiedBLTWarning, calibrate_noise_multiplier, resolve_privacy
+
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    config = _unamplified_blt()
+    with pytest.warns(UnamplifiedBLTWarning) as caught:
+        resolved = resolve_privacy(config)
+    (warning,) = caught
+    text = str(warning.message)
+    min_sep = calibrate_noise_multiplier(config.replace(sampler="min-sep"), 2.0)
+    poisson = calibrate_noise_multiplier(config.replace(sampler="poisson", noise="independent", buffers=None), 2.0)
+    assert poisson < min_sep < resolved.noise_multiplier  # what the advice is for
+    assert (f"noise 'blt' with sampler 'cyclic-poisson' and bands = 1 plans for min-separation 1: the BLT gets no "
+            f"amplification from sampling and is accounted for a user in all T = 40 rounds, so epsilon 2 at delta "
+            f"1e-05 needs sigma = {resolved.noise_multiplier:.4g}. For the same epsilon: sampler 'min-sep' "
+            f"(separation N // B = 20): sigma = {min_sep:.4g}; noise 'independent' with sampler 'poisson' (amplified "
+            f"by sampling): sigma = {poisson:.4g}") in text
+
+
+def test_blt_with_a_separation_above_1_is_not_warned_about(tmp_path, monkeypatch, recwarn):
+    from fed_dp.accounting import UnamplifiedBLTWarning, resolve_privacy, unamplified_blt_advice
+
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    for config in (_unamplified_blt(bands=5), _unamplified_blt(sampler="min-sep"),
+                   _unamplified_blt(noise="independent", buffers=None)):
+        assert unamplified_blt_advice(config) is None
+        resolve_privacy(config)
+    assert not [w for w in recwarn if issubclass(w.category, UnamplifiedBLTWarning)]

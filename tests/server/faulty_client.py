@@ -5,7 +5,8 @@ real SuperNodes.
 norm 10⁶, 1 → a NaN in the update, 2 → an update of the wrong shape; others honest. A node config entry
 ``fault`` ("huge", "nan", "shape") chooses instead: test_faults.py ships this file as the ClientApp of a Flower
 app of its own to real SuperNodes. ``no_query_app`` is a
-ClientApp written as for Flower's own strategies: it trains but has no ``@app.query()`` handler.
+ClientApp written as for Flower's own strategies: it trains but has no ``@app.query()`` handler. ``other_model_app``
+trains another model than the ServerApp's (as a user's app whose two sides drifted apart).
 """
 
 from __future__ import annotations
@@ -50,3 +51,31 @@ no_query_app = ClientApp()
 @no_query_app.train()
 def train_only(msg: Message, context: Context) -> Message:
     return honest_train(msg, context)
+
+
+
+other_model_app = ClientApp()
+
+
+def _other_trainer():
+    """A node whose task builds another model than the ServerApp's: heavy-tail with 5 input features."""
+    from fed_dp.clients.node import LocalTrainer
+    from fed_dp.simulations.tasks.builtin import heavy_tail_task
+
+    return LocalTrainer(heavy_tail_task(dim=5))
+
+
+@other_model_app.query()
+def query_other_model(msg: Message, context: Context) -> Message:
+    from fed_dp.clients.node import hosted_users
+
+    trainer = _other_trainer()
+    return protocol.query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), model=trainer.model)
+
+
+@other_model_app.train()
+def train_other_model(msg: Message, context: Context) -> Message:
+    from fed_dp.clients.node import hosted_users, train_reply
+
+    trainer = _other_trainer()
+    return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))

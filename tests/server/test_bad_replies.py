@@ -16,7 +16,7 @@ from fed_dp.checkpoint import COMMIT_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients.task import initial_model
 from fed_dp.config import PrivacyConfig
 from fed_dp.server.flower_strategy import UserLevelDP, model_arrays
-from fed_dp.server.membership import NoUsersError
+from fed_dp.server.membership import ModelMismatchError, NoUsersError
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
 
 HERE = Path(__file__).resolve().parent
@@ -76,3 +76,21 @@ def test_clientapps_without_a_user_query_stop_the_run_before_spending_budget(tmp
     assert isinstance(error, NoUsersError), outcome
     assert "none of the 4 connected node(s) hosts any user" in str(error) and "@app.query()" in str(error)
     assert not (tmp_path / "ckpt" / COMMIT_NAME).exists()  # no round was released
+
+
+def test_a_clientapp_with_another_model_is_refused_before_round_1(tmp_path, monkeypatch):
+    """Issue 27: a ClientApp whose model differs from the ServerApp's cost two rounds of pure noise before the
+    run stopped. Its query reply now names its model, and the server refuses it before any round is sampled,
+    naming the node and the first parameter that differs with both shapes."""
+    outcome = _simulate(tmp_path, monkeypatch, "other_model_app")
+    error = outcome.get("error")
+    assert isinstance(error, ModelMismatchError), outcome
+    ((name, weight),) = initial_model(heavy_tail_task(), 3)[0].named_parameters()
+    rows, columns = weight.shape
+    message = str(error)
+    assert "node id" in message and "virtual node" in message, message
+    assert f"parameter #1 is '{name}' of shape ({rows}, 5) on the node but '{name}' of shape ({rows}, {columns}) " \
+           "on the server" in message, message
+    assert "no round was sampled and no privacy budget was spent" in message
+    assert not (tmp_path / "ckpt" / COMMIT_NAME).exists()  # no round was released: ε spent is 0
+    assert read_diagnostics(tmp_path / "ckpt") == []

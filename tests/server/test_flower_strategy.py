@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -18,13 +19,13 @@ from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.checkpoint import COMMIT_NAME, RESULTS_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients import protocol
 from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
-from fed_dp.clients.task import initial_model
+from fed_dp.clients.task import Task, Users, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import make_optimizer
 from fed_dp.round import Contribution, init_server, begin_round
 from fed_dp.server.flower_strategy import UserLevelDP, centralized_evaluation, model_arrays
-from fed_dp.server.membership import NoUsersError
+from fed_dp.server.membership import ModelMismatchError, NoUsersError
 from fed_dp.round_loop import NoRepliesError
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
 from fed_dp.simulations.engine.inprocess import train
@@ -360,6 +361,72 @@ def test_replies_that_stop_coming_end_the_run_after_max_empty_rounds(tmp_path):
     assert "CUDA out of memory" in (tmp_path / "secret" / "operator.log").read_text()
     assert load_checkpoint(tmp_path)["state"]["round"] == 2
     assert len(load_checkpoint(tmp_path)["state"]["ledger"]["records"]) == 2
+
+
+def test_nodes_whose_users_fail_to_load_say_why_and_the_servers_error_carries_it():
+    """Issue 27: without a checkpoint folder NoRepliesError said the reason "is not kept". A node whose users fail
+    to load answers with an error naming the round and the user; the server's error carries the first reason and
+    how many nodes failed."""
+    def missing(uid):
+        raise FileNotFoundError(f"users/{uid}.pt")
+
+    lazy = Task(name="lazy", users=Users(list(range(TASK.num_users)), missing), model=TASK.model, loss=TASK.loss)
+    trainer = LocalTrainer(lazy, LOCAL, device="cpu")
+
+    def failing(message: Message) -> Message:
+        users = range(20) if message.metadata.dst_node_id == 100 else range(20, 40)
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, users, model=trainer.model)
+        return train_reply(message, trainer, hosted=users)
+
+    strategy = UserLevelDP(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2)
+    with pytest.raises(NoRepliesError) as stopped:
+        strategy.start(InProcessGrid({100: failing, 101: failing}), model_arrays(initial_model(TASK, 2)[0]))
+    message = str(stopped.value)
+    assert "is not kept" not in message
+    assert re.search(r"Why: the first of 2 failure\(s\) of the last round: node 'users (0-19|20-39)' \(id 10[01]\): "
+                     r"error reply \(\d+\): UserTrainingError: round 2, user (\d+): ValueError: loading the examples of user \2 "
+                     r"failed: FileNotFoundError: users/\2\.pt",
+                     message), message
+
+
+def test_a_node_with_another_model_is_refused_before_round_1_naming_it_and_the_shapes(tmp_path):
+    """Issue 27: a node whose model differs from the server's cost rounds of pure noise before the run stopped.
+    Its query reply now names its model; the server refuses it before any round, with no budget spent."""
+    other = heavy_tail_task(dim=5)
+    good, bad = LocalTrainer(TASK, LOCAL, device="cpu"), LocalTrainer(other, LOCAL, device="cpu")
+
+    def answering(trainer: LocalTrainer, users: range) -> Handler:
+        return lambda message: (query_reply(message, users, name=f"silo-{users[0]}", model=trainer.model)
+                                if message.metadata.message_type == MessageType.QUERY
+                                else train_reply(message, trainer, hosted=users))
+
+    grid = InProcessGrid({100: answering(good, range(20)), 101: answering(bad, range(20, 40))})
+    strategy = UserLevelDP(PRIVACY, "dp-fedavg", seed=1, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ModelMismatchError) as refused:
+        strategy.start(grid, model_arrays(initial_model(TASK, 1)[0]))
+    ((name, weight),) = TASK.build_model().named_parameters()
+    rows, columns = weight.shape
+    assert str(refused.value) == (
+        f"node id 101 (silo-20) trains another model than the server's: parameter #1 is '{name}' of shape ({rows}, "
+        f"5) on the node but '{name}' of shape ({rows}, {columns}) on the server (the node's model has 1 parameter "
+        "tensors, the server's 1). The ClientApp and the ServerApp must build the same model (the Strategy's "
+        "initial arrays are its named parameters); no round was sampled and no privacy budget was spent")
+    assert strategy.state.ledger.rounds == 0 and not (tmp_path / COMMIT_NAME).exists()
+    assert all(m.metadata.message_type == MessageType.QUERY for m in grid.sent)  # no TRAIN message went out
+
+
+def test_model_fingerprints_name_the_first_difference():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    mine = protocol.model_fingerprint(model)
+    assert mine == ["0.weight:2x3", "0.bias:2", "1.weight:1x2", "1.bias:1"]
+    assert protocol.model_fingerprint(dict(model.named_parameters())) == mine
+    assert protocol.fingerprint_mismatch(mine, mine) is None
+    assert protocol.fingerprint_mismatch(mine, mine[:3]) == (
+        "parameter #4 is nothing (no parameter there) on the node but '1.bias' of shape (1) on the server (the "
+        "node's model has 3 parameter tensors, the server's 4)")
+    assert "parameter #2 is 'bias' of shape (2) on the node but '0.bias'" in protocol.fingerprint_mismatch(
+        mine, ["0.weight:2x3", "bias:2", "1.weight:1x2", "1.bias:1"])
 
 
 def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_users(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from distributed_run import run
 
+from fed_dp.round_loop import TrainingStopped
 from fed_dp.simulations.engine.distributed import current_workers
 
 SCRIPT = Path(__file__).with_name("distributed_run.py")
@@ -60,8 +61,9 @@ def test_a_rank_that_cannot_train_stops_the_run(tmp_path):
     assert "1 of the 2 ranks failed to train their users in round 1" in output, output[-4000:]
     assert "rank 1: training users [1, 3, 5, 7, 9]... failed in round 1" in output  # its traceback, in its log
     assert not list(tmp_path.glob("result.pt.*"))  # nothing saved by either rank
-    with pytest.raises(ValueError, match="user"):  # the same run in one process fails on the same user
-        run(poisoned_user=5)
+    with pytest.raises(TrainingStopped, match=r"round 1, user 5: ValueError: .*user") as alone:  # the same run in
+        run(poisoned_user=5)                                                  # one process fails on the same user
+    assert isinstance(alone.value.__cause__.__cause__, ValueError)
 
 
 def test_the_example_runs_under_torchrun(tmp_path):

@@ -17,6 +17,8 @@ from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import make_optimizer
 from fed_dp.randomness import derive_seed
+from fed_dp.contribution import UserTrainingError
+from fed_dp.round_loop import TrainingStopped
 from fed_dp.simulations.engine.inprocess import train
 
 
@@ -192,8 +194,9 @@ def test_bad_task_inputs_get_clear_errors():
         train("not a task", _privacy(), "dp-sgd")
     regression = Task(name="float-targets", users=Users.in_memory([(torch.randn(3, 6), torch.randn(3))] * 40),
                       model=lambda: nn.Linear(6, 3), loss=losses.classification)
-    with pytest.raises(ValueError, match="regression target"):
-        train(regression, _privacy(), "dp-sgd", seed=0)
+    with pytest.raises(TrainingStopped, match=r"round 1, user \d+: ValueError: .*regression target") as stopped:
+        train(regression, _privacy(), "dp-sgd", seed=0)  # the first round's users train with the wrong loss
+    assert isinstance(stopped.value.__cause__.__cause__, ValueError) and stopped.value.result.records == []
     not_a_module = Task(name="x", users=task.users, model=lambda: "model", loss=losses.classification)
     with pytest.raises(ValueError, match="not a torch.nn.Module"):
         train(not_a_module, _privacy(), "dp-sgd", seed=0)
@@ -216,9 +219,12 @@ def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_che
     good = train(task, _privacy(rounds=2), "dp-sgd", LocalTraining(), seed=1, training="sequential")
     limit = sum(r["nonprivate_cohort_size"] for r in good.records) * 1  # batch 16 > 4 examples: one step per user and round
     bad_task = Task(name="fragile", users=task.users, model=task.model, loss=fragile)
-    with pytest.raises(ValueError, match=r"loss of user \d+ became nan .*round 3"):
+    with pytest.raises(TrainingStopped, match=r"round 3, user \d+: ValueError: .*loss of user \d+ became nan .*round 3") \
+            as stopped:
         train(bad_task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path),
               training="sequential")
+    assert isinstance(stopped.value.__cause__, UserTrainingError)
+    assert isinstance(stopped.value.__cause__.__cause__, ValueError)
     saved = load_checkpoint(tmp_path)["state"]
     assert saved["round"] == 2 and len(saved["ledger"]["records"]) == 2
     resumed = train(task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))
@@ -245,3 +251,60 @@ def test_an_in_process_run_publishes_no_count_or_duration_and_keeps_them_secret(
     assert all(d["round_seconds"] == r["nonprivate_round_seconds"] for d, r in zip(diagnostics, result.records))
     assert train(task, privacy, "dp-adam", LocalTraining(), seed=1, eval_every=0,
                  checkpoint_dir=str(tmp_path)).records == result.records  # resumed: the secret part restores them
+
+
+def _lazy_task(empty: int | None = None, loaded: list[int] | None = None) -> Task:
+    """The tiny task's users loaded on demand (each load appended to ``loaded``); user ``empty`` without examples
+    (as a user whose folder was left empty)."""
+    task = _task()
+    data = {i: task.users[i] for i in range(task.num_users)}
+    if empty is not None:
+        data[empty] = (torch.zeros(0, 6), torch.zeros(0, dtype=torch.long))
+
+    def load(uid: int):
+        if loaded is not None:
+            loaded.append(uid)
+        return data[uid]
+
+    return Task(name="lazy", users=Users(list(range(task.num_users)), load), model=task.model,
+                loss=losses.classification)
+
+
+def test_a_lazily_loaded_user_without_examples_stops_the_run_with_the_model_so_far(tmp_path):
+    """Issue 27: such a user stopped the run in the round it was first sampled and returned no model. Now the
+    error names that round and the user, nothing of the round is released, the checkpoint holds the last
+    released round, and the model after it comes back with the error."""
+    from fed_dp.checkpoint import load_checkpoint
+
+    privacy = _privacy(rounds=6, expected_cohort=4)
+    loaded: list[int] = []
+    healthy = train(_lazy_task(loaded=loaded), privacy, "dp-sgd", LocalTraining(), seed=2).records
+    assert len(healthy) == 6  # a healthy run releases every round
+    first_round = loaded[:healthy[0]["nonprivate_cohort_size"]]
+    empty = next(u for u in loaded if u not in first_round)  # a user first sampled after round 1
+    with pytest.raises(TrainingStopped) as stopped:
+        train(_lazy_task(empty), privacy, "dp-sgd", LocalTraining(), seed=2, checkpoint_dir=str(tmp_path))
+    stop = stopped.value
+    failed = stop.failure.round_number
+    assert failed > 1 and stop.failure.user == empty
+    assert f"round {failed}, user {empty}: ValueError: user {empty} has no examples" in str(stop)
+    assert f"The run stopped before releasing round {failed}: nothing of it was released" in str(stop)
+    assert f"saved in {tmp_path}" in str(stop)
+    result = stop.result
+    assert len(result.records) == failed - 1 == stop.state.round
+    assert [r["epsilon"] for r in result.records] == [r["epsilon"] for r in healthy[:failed - 1]]
+    saved = load_checkpoint(tmp_path)["state"]
+    assert saved["round"] == failed - 1
+    torch.testing.assert_close(saved["params"], result.params, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([p.detach().flatten() for p in result.model.parameters()]),
+                               result.params, rtol=0, atol=0)
+
+
+def test_a_non_scalar_loss_names_the_round_and_the_user():
+    task = _task()
+    per_example = Task(name="per-example", users=task.users, model=task.model,
+                       loss=lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none"))
+    with pytest.raises(TrainingStopped, match=r"round 1, user \d+: ValueError: the loss returned \(4,\) for a minibatch "
+                                              r"of user \d+; it must return a scalar") as stopped:
+        train(per_example, _privacy(), "dp-sgd", LocalTraining(), seed=0, training="sequential")
+    assert stopped.value.result.records == [] and stopped.value.state.round == 0
