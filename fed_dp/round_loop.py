@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,17 +128,29 @@ def _why_no_replies(nonprivate: dict[str, Any], checkpoint_dir: str | None, simu
     """The reasons of the last empty round for NoRepliesError. In a deployment with a checkpoint folder they stay
     in the operator's log (which nodes were asked depends on who was sampled, and an exception's text reaches the
     run's public status); without one there is no such log, so the message carries the first reason the nodes
-    gave and how many failed — the operator's only way to learn why the run stopped."""
+    gave and how many failed — the operator's only way to learn why the run stopped — with every user id in it
+    replaced by ``user <sampled>`` (:func:`_without_user_ids`): that a given user was sampled in a round is the
+    secret that sampling keeps."""
     failures = nonprivate.get("failures", [])
     if simulated:
         return f"Why: {'; '.join(failures) or 'no replies'}"
     if checkpoint_dir:
         return f"Why, per node and round: {operator_log_file(checkpoint_dir)} (kept out of this message because " \
                "which nodes were asked depends on who was sampled)"
-    first = f"the first of {len(failures)} failure(s) of the last round: {failures[0]}" if failures else "no replies"
+    first = (f"the first of {len(failures)} failure(s) of the last round: {_without_user_ids(failures[0])}"
+             if failures else "no replies")
     return (f"Why: {first} (with server.checkpoint-dir set, every node's reason of every round goes to the "
             "operator's secret/operator.log instead of this message)")
 
+
+def _without_user_ids(reason: str) -> str:
+    """``reason`` with every ``user <number>`` (and ``users/<number>``, a path named after a user) replaced by
+    ``user <sampled>``: a node's failure names the sampled user it failed on, which must not reach a public
+    message."""
+    return _USER_ID.sub(lambda match: f"{match.group(1)}<sampled>", reason)
+
+
+_USER_ID = re.compile(r"(\buser[ _/#:=]*|\busers/)\d+")
 
 NONPRIVATE = "nonprivate_"
 

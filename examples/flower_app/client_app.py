@@ -12,7 +12,7 @@ trainer = LocalTrainer(make_task(), LocalTraining(epochs=2, batch_size=4, lr=0.0
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:  # which users this node hosts
-    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users))
+    return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), model=trainer.model)
 
 
 @app.train()
