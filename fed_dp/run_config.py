@@ -236,6 +236,9 @@ TABLES = tuple(SECTIONS)
 #: Every key of every table, read from the sections (:func:`fed_dp.schema.keys_of`).
 KEYS: tuple[Key, ...] = tuple(key for table, section in SECTIONS.items() for key in keys_of(table, section))
 
+#: ``table.key`` → its default (None: unset), for front ends other than the sections (the accounting CLI's options).
+DEFAULTS: dict[str, Any] = {key.dotted: key.default for key in KEYS}
+
 #: The sections at their defaults: what the public signatures' defaults read (``fed_dp.train``,
 #: ``fed_dp.round_loop.run_rounds``, ``UserLevelDP``), so that a default is written once, on its section.
 OPTIMIZER_DEFAULTS = OptimizerSettings()

@@ -59,6 +59,7 @@ from fed_dp.sampling import neighboring_relation
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import init_server
 from fed_dp.round_loop import RoundReplies, run_rounds
+from fed_dp.run_config import CLIENT_DEFAULTS
 from fed_dp.schema import UNSET
 
 THREAT_MODELS = ("final-model", "all-iterates")
@@ -178,8 +179,9 @@ def _accounted_noise_multiplier(privacy: PrivacyConfig, optimizer: ServerOptimiz
 
 def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, local: LocalTraining, *,
               canaries: int = 1000, seed: int = 0, confidence: float = 0.95, noise_scale: float = 1.0,
-              no_noise: bool = False, mechanism_only: bool = False, device: str = "cpu", training: str = "auto",
-              chunk_size: int | None = None) -> AuditResult:
+              no_noise: bool = False, mechanism_only: bool = False, device: str = "cpu",
+              training: str = CLIENT_DEFAULTS.training, chunk_size: int | None = CLIENT_DEFAULTS.chunk_size,
+              ) -> AuditResult:
     """Run ``task``'s mechanism once with ``canaries`` candidates and audit it (module docstring). ``no_noise``:
     add no noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs
     one. ``mechanism_only``: the real users are sampled and counted but send zero updates (``fed-dp audit``'s

@@ -15,16 +15,18 @@ from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
 
 import fed_dp
 from fed_dp.accounting import epsilon, resolve_privacy
+from fed_dp.cli import build_parser
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import make_optimizer
 from fed_dp.round_loop import run_rounds
 from fed_dp.run_config import SECTIONS as SCHEMA_SECTIONS
-from fed_dp.run_config import (KEYS, TABLES, TASK_GROUP, AdaptiveSettings, ClientSettings, RunConfig,
+from fed_dp.run_config import (DEFAULTS, KEYS, TABLES, TASK_GROUP, AdaptiveSettings, ClientSettings, RunConfig,
                                RunSettings, ServerSettings, TaskSettings, apply_overrides, flower_defaults,
                                flower_table, reference_markdown, registered_tasks, unflatten)
 from fed_dp.schema import UNSET
 from fed_dp.server.flower_strategy import UserLevelDP
+from fed_dp.simulations.audit import run_audit
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = {"privacy": PrivacyConfig, "local": LocalTraining, "server": ServerSettings, "client": ClientSettings,
@@ -153,6 +155,7 @@ SIGNATURES = {
                            "min_nodes": "server.min-nodes", "node_wait": "server.node-wait"},
     UserLevelDP.start: {"timeout": "server.reply-timeout"},
     LocalTrainer.__init__: CLIENT_KEYS,
+    run_audit: {"training": "client.training", "chunk_size": "client.chunk-size"},
 }
 SIGNATURE_DEFAULTS = [(function, parameter, key) for function, keys in SIGNATURES.items()
                       for parameter, key in keys.items()]
@@ -165,6 +168,14 @@ def test_public_signatures_default_to_the_schema(function, parameter, key):
     (``SERVER_DEFAULTS.max_empty_rounds``, ...): a Python caller and a run config get the same run."""
     defaults = {k.dotted: k.default for k in KEYS}
     assert inspect.signature(function).parameters[parameter].default == defaults[key]
+
+
+def test_the_accounting_cli_defaults_are_the_schemas():
+    """``fed-dp epsilon`` / ``calibrate``: each privacy option left out takes the run config's default."""
+    args = build_parser().parse_args(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "5",
+                                      "--noise-multiplier", "1", "--delta", "1e-5"])
+    for name in ("sampler", "noise", "bands", "buffers", "workload", "momentum", "max_participations", "accountant"):
+        assert getattr(args, name) == DEFAULTS[f"privacy.{name.replace('_', '-')}"], name
 
 
 def test_one_name_per_setting():
