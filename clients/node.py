@@ -34,6 +34,7 @@ from fed_dp.clients.training import LocalRound, UserExamples, keep_freed_memory,
 from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
+from fed_dp.run_config import CLIENT_DEFAULTS
 from fed_dp.contribution import Contribution, UserTrainingError
 
 __all__ = ["LocalTrainer", "hosted_users", "parse_users", "query_reply", "train_reply"]
@@ -84,8 +85,9 @@ class LocalTrainer:
     round loads the broadcast θ into it. In-memory users are moved to the device once.
     """
 
-    def __init__(self, task: Task, local: LocalTraining | None = None, *, device: str | torch.device = "auto",
-                 training: str = "auto", chunk_size: int | None = None) -> None:
+    def __init__(self, task: Task, local: LocalTraining | None = None, *,
+                 device: str | torch.device = CLIENT_DEFAULTS.device, training: str = CLIENT_DEFAULTS.training,
+                 chunk_size: int | None = CLIENT_DEFAULTS.chunk_size) -> None:
         if not isinstance(task, Task):
             raise ValueError(f"LocalTrainer needs a fed_dp.Task, got {type(task).__name__}")
         paths = {"auto": None, "vectorized": True, "sequential": False}

@@ -22,6 +22,7 @@ from fed_dp.accounting import (calibrate_noise_multiplier, checked_epsilon, comp
                                unamplified_blt_advice)
 from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
+from fed_dp.run_config import DEFAULTS
 from fed_dp.sampling import dp_event, guarantee, neighboring_relation
 
 _SAMPLER_HELP = (
@@ -45,14 +46,14 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
             help="sigma: noise std on the sum of clipped updates divided by the clip norm",
         )
     group.add_argument("--delta", type=float, required=True, metavar="D", help="delta of (epsilon, delta)")
-    group.add_argument("--sampler", choices=SAMPLERS, default="poisson", help=_SAMPLER_HELP)
+    group.add_argument("--sampler", choices=SAMPLERS, default=DEFAULTS["privacy.sampler"], help=_SAMPLER_HELP)
     group.add_argument(
-        "--noise", choices=NOISES, default="independent",
+        "--noise", choices=NOISES, default=DEFAULTS["privacy.noise"],
         help="independent Gaussian (default), bandmf (banded matrix factorization) or blt (buffered linear "
         "Toeplitz; needs --buffers); the correlated ones need --sampler cyclic-poisson or min-sep",
     )
     group.add_argument(
-        "--bands", type=int, default=1, metavar="b",
+        "--bands", type=int, default=DEFAULTS["privacy.bands"], metavar="b",
         help="bands of the BandMF strategy = groups of cyclic-poisson = required min-separation (default 1)",
     )
     group.add_argument(
@@ -60,15 +61,17 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
         help="buffers of the BLT strategy (--noise blt; its sensitivity, hence epsilon, depends on them)",
     )
     group.add_argument(
-        "--workload", choices=WORKLOADS, default="prefix-sum",
+        "--workload", choices=WORKLOADS, default=DEFAULTS["privacy.workload"],
         help="workload the BLT is optimized for (prefix-sum, or momentum with --momentum); BLT only changes epsilon",
     )
-    group.add_argument("--momentum", type=float, default=0.0, metavar="mu", help="momentum of the momentum workload")
+    group.add_argument("--momentum", type=float, default=DEFAULTS["privacy.momentum"], metavar="mu",
+                       help="momentum of the momentum workload")
     group.add_argument(
         "--max-participations", type=int, default=None, metavar="k",
         help="min-sep only: participations per user to account for (default: ceil(T / (N // B)))",
     )
-    group.add_argument("--accountant", choices=ACCOUNTANTS, default="pld", help="pld (default, tighter) or rdp")
+    group.add_argument("--accountant", choices=ACCOUNTANTS, default=DEFAULTS["privacy.accountant"],
+                       help="pld (default, tighter) or rdp")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fed_dp.schema import setting
 from fed_dp.validation import is_int as _is_int
 from fed_dp.validation import is_real as _is_real
 from fed_dp.validation import require as _require
@@ -67,22 +68,26 @@ class PrivacyConfig:
         momentum: μ of the momentum workload, in [0, 1).
     """
 
-    expected_cohort: int
-    rounds: int
-    delta: float
-    num_users: int | None = None
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    clip_norm: float = 1.0
-    sampler: str = "poisson"
-    noise: str = "independent"
-    bands: int = 1
-    buffers: int | None = None
-    max_participations: int | None = None
-    accountant: str = "pld"
-    epsilon_budget: float | None = None
-    workload: str = "prefix-sum"
-    momentum: float = 0.0
+    expected_cohort: int = setting(help="B: expected users per round, the fixed denominator", config_default=10)
+    rounds: int = setting(help="T: server rounds the accounting plans for", config_default=5)
+    delta: float = setting(help="δ of (ε, δ); choose below 1/N", config_default=1e-5)
+    num_users: int | None = setting(None, help="N; unset: the task's number of users (if set, it must equal it)")
+    noise_multiplier: float | None = setting(None, help="σ: noise std on the sum of clipped updates / ζ (1.0 when "
+                                             "neither σ nor target-epsilon is given; 0 only in fed-dp audit)")
+    target_epsilon: float | None = setting(None, help="calibrate σ with dp_accounting so that the whole run has "
+                                           "this user-level ε at delta")
+    clip_norm: float = setting(1.0, help="ζ: L2 bound of one user's whole update")
+    sampler: str = setting("poisson", help="user sampler (README: Samplers and their accounting)", choices=SAMPLERS)
+    noise: str = setting("independent", help="independent Gaussian, or bandmf or blt (correlated) noise",
+                         choices=NOISES)
+    bands: int = setting(1, help="b: BandMF bands = cyclic-poisson groups = required min-separation")
+    buffers: int | None = setting(None, help="ℓ: buffers of the BLT strategy (noise blt; 1 … 16)")
+    max_participations: int | None = setting(None, help="k for min-sep (unset: ceil(T / (N // B)))")
+    accountant: str = setting("pld", help="pld (tighter) or rdp (faster per round; needed by without-replacement)",
+                              choices=ACCOUNTANTS)
+    epsilon_budget: float | None = setting(None, help="refuse any round that would take ε above this")
+    workload: str = setting("prefix-sum", help="workload of the BandMF or BLT strategy", choices=WORKLOADS)
+    momentum: float = setting(0.0, help="μ of the momentum workload")
 
     def __post_init__(self) -> None:
         self._validate_sizes()
@@ -92,7 +97,8 @@ class PrivacyConfig:
 
     # --- validation, one concern per method -------------------------------------------------------
     def _validate_sizes(self) -> None:
-        for name in ("expected_cohort", "rounds", "bands") + (("num_users",) if self.num_users is not None else ()):
+        optional = tuple(name for name in ("num_users", "max_participations") if getattr(self, name) is not None)
+        for name in ("expected_cohort", "rounds", "bands") + optional:
             value = getattr(self, name)
             _require(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
         if self.num_users is not None:
@@ -316,13 +322,13 @@ class LocalTraining:
     whole update of a user by its clip, whatever the local work.
     """
 
-    epochs: int = 1
-    steps: int | None = None
-    batch_size: int = 16
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    max_examples: int | None = None
+    epochs: int = setting(1, help="passes over a user's examples per round")
+    steps: int | None = setting(None, help="minibatch steps per round instead of epochs")
+    batch_size: int = setting(16, help="minibatch size of local SGD")
+    lr: float = setting(0.1, help="local learning rate")
+    momentum: float = setting(0.0, help="local SGD momentum")
+    weight_decay: float = setting(0.0, help="local SGD weight decay (L2)")
+    max_examples: int | None = setting(None, help="train on a user's first k examples only")
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size") + tuple(n for n in ("steps", "max_examples") if getattr(self, n) is not None):

@@ -52,6 +52,7 @@ from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published,
 from fed_dp.context import in_simulation
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 from fed_dp.round import ServerState, begin_round, finish_round
+from fed_dp.run_config import RUN_DEFAULTS, SERVER_DEFAULTS
 
 log = logging.getLogger("fed_dp.server")
 #: Operator-only details of each round (which nodes failed or were late, how many sampled users were dropped): not
@@ -206,9 +207,9 @@ def run_rounds(
     *,
     rounds: int | None = None,
     evaluate: Callable[[int, torch.Tensor], dict[str, float]] | None = None,
-    eval_every: int = 1,
+    eval_every: int = RUN_DEFAULTS.eval_every,
     checkpoint_dir: str | Path | None = None,
-    max_empty_rounds: int = 2,
+    max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
     exchange_aggregates: bool = False,

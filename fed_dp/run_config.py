@@ -7,31 +7,40 @@ Three front ends read this schema and nothing else:
   keys flattened to ``table.key`` (:meth:`RunConfig.from_flat`);
 * Python: :class:`RunConfig` and its sections directly, or :meth:`RunConfig.from_tables`.
 
-Keys are hyphenated (``privacy.noise-multiplier``); Python fields use underscores. An optional key is unset
-when it is absent or when it holds its key's *unset value* (``unset`` in :data:`KEYS`: 0 for positive
-numbers, −1 for numbers that may be 0, "" for text): a Flower run config cannot leave a key out, so this is
-how it says "not set". ``[task]`` is open: besides ``ref`` and ``root``, every key is a keyword argument of
-the task factory (a value of "" means "not given": the factory's own default applies).
+The schema is written once, on the section dataclasses (:data:`SECTIONS`; :func:`fed_dp.schema.setting`): each
+field's default, meaning and choices. :data:`KEYS` reads them back; the Flower run-config table
+(:func:`flower_table`, checked against pyproject.toml by the tests) and the configuration reference
+(:func:`reference_markdown`, ``python -m fed_dp.run_config > docs/reference/configuration.md``) are generated
+from it, and the public signatures take their defaults from :data:`SERVER_DEFAULTS` and its siblings.
 
-``privacy.noise-multiplier`` and ``privacy.target-epsilon``: give one. σ = 1.0 applies when neither is given;
-in a Flower run config, which always holds both keys, set ``privacy.noise-multiplier=0`` to calibrate σ for
-``privacy.target-epsilon``.
+Keys are hyphenated (``privacy.noise-multiplier``); Python fields use underscores. An optional key (default
+None) is unset when it is absent or when it holds "" (:data:`fed_dp.schema.UNSET`), which no valid value of any
+key is: a Flower run config cannot leave a key out, so this is how it says "not set"; any other value is
+checked as a value (``privacy.noise-multiplier = -1`` is refused). ``[task]`` is open: besides ``ref`` and
+``root``, every key is a keyword argument of the task factory (a value of "" means "not given": the factory's
+own default applies).
+
+``privacy.noise-multiplier`` and ``privacy.target-epsilon``: give one. σ = 1.0 applies when neither is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import importlib.metadata
+import json
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
-from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, LocalTraining, PrivacyConfig
+from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import OPTIMIZERS, ServerOptimizer, make_optimizer
+from fed_dp.schema import UNSET, Key, keys_of, setting
 from fed_dp.validation import is_int as _integer
 from fed_dp.validation import is_real as _real
 from fed_dp.validation import require as _check
@@ -68,121 +77,22 @@ def _unknown_task(ref: str) -> str:
 
 
 TRAINING_PATHS = ("auto", "vectorized", "sequential")
-TABLES = ("task", "privacy", "optimizer", "local", "adaptive", "server", "client", "run")
+NOISE_SOURCES = ("auto", "secure", "torch")
 
 
-@dataclass(frozen=True)
-class Key:
-    """One run-configuration key: ``table.name``, its Python type, default (None: unset), meaning, the value
-    that means "unset" in a text config (None: the key always has a value) and, for text keys, the choices."""
-
-    table: str
-    name: str
-    kind: type
-    default: Any
-    doc: str
-    unset: Any = None
-    choices: tuple[str, ...] = ()
-
-    @property
-    def dotted(self) -> str:
-        return f"{self.table}.{self.name}"
-
-    @property
-    def field(self) -> str:
-        return self.name.replace("-", "_")
-
-    @property
-    def flower_default(self) -> Any:
-        """The value a Flower run config holds for the default (the unset value for an unset default)."""
-        return self.unset if self.default is None else self.default
-
-
-KEYS: tuple[Key, ...] = (
-    Key("task", "ref", str, "heavy-tail", "the task: a built-in name (" + ", ".join(registered_tasks())
-        + ") or 'package.module:factory', a function returning a fed_dp.Task; the other [task] keys are its "
-        "keyword arguments"),
-    Key("task", "root", str, None, "local data folder of a task that reads files (a SuperNode's data-root wins)",
-        unset=""),
-    Key("privacy", "num-users", int, None, "N; unset: the task's number of users (if set, it must equal it)",
-        unset=0),
-    Key("privacy", "expected-cohort", int, 10, "B: expected users per round, the fixed denominator"),
-    Key("privacy", "rounds", int, 5, "T: server rounds the accounting plans for"),
-    Key("privacy", "noise-multiplier", float, None, "σ: noise std on the sum of clipped updates / ζ (1.0 when "
-        "neither σ nor target-epsilon is given; 0 only in fed-dp audit)", unset=-1.0),
-    Key("privacy", "target-epsilon", float, None, "calibrate σ with dp_accounting so that the whole run has "
-        "this user-level ε at delta", unset=0.0),
-    Key("privacy", "clip-norm", float, 1.0, "ζ: L2 bound of one user's whole update"),
-    Key("privacy", "delta", float, 1e-5, "δ of (ε, δ); choose below 1/N"),
-    Key("privacy", "sampler", str, "poisson", "user sampler (README: Samplers and their accounting)",
-        choices=SAMPLERS),
-    Key("privacy", "noise", str, "independent", "independent Gaussian, or bandmf or blt (correlated) noise",
-        choices=NOISES),
-    Key("privacy", "bands", int, 1, "b: BandMF bands = cyclic-poisson groups = required min-separation"),
-    Key("privacy", "buffers", int, None, "ℓ: buffers of the BLT strategy (noise blt; 1 … 16)", unset=0),
-    Key("privacy", "max-participations", int, None, "k for min-sep (unset: ceil(T / (N // B)))", unset=0),
-    Key("privacy", "accountant", str, "pld", "pld (tighter) or rdp (faster per round; needed by "
-        "without-replacement)", choices=ACCOUNTANTS),
-    Key("privacy", "epsilon-budget", float, None, "refuse any round that would take ε above this", unset=0.0),
-    Key("privacy", "workload", str, "prefix-sum", "workload of the BandMF or BLT strategy", choices=WORKLOADS),
-    Key("privacy", "momentum", float, 0.0, "μ of the momentum workload"),
-    Key("optimizer", "name", str, "dp-adam", "server optimizer (README: Server optimizers)",
-        choices=tuple(OPTIMIZERS)),
-    Key("optimizer", "lr", float, None, "η (unset: the optimizer's default)", unset=0.0),
-    Key("optimizer", "beta1", float, None, "β₁ of the Adam variants", unset=-1.0),
-    Key("optimizer", "beta2", float, None, "β₂ of the Adam variants", unset=-1.0),
-    Key("optimizer", "eps", float, None, "ε of the adaptive optimizers", unset=0.0),
-    Key("optimizer", "weight-decay", float, None, "λ, decoupled weight decay (dp-adamw*)", unset=-1.0),
-    Key("optimizer", "momentum", float, None, "μ of dp-sgd / dp-sgdm", unset=-1.0),
-    Key("optimizer", "bc-floor", float, None, "γ of bias correction (unset: the noise variance Φ̂_t, "
-        "= (σζ/B)² for independent noise)", unset=0.0),
-    Key("optimizer", "ime-alpha", float, None, "α of independent moment estimation", unset=0.0),
-    Key("optimizer", "stp-eps", float, None, "ε_s of scale-then-privatize", unset=0.0),
-    Key("local", "epochs", int, 1, "passes over a user's examples per round"),
-    Key("local", "steps", int, None, "minibatch steps per round instead of epochs", unset=0),
-    Key("local", "batch-size", int, 16, "minibatch size of local SGD"),
-    Key("local", "lr", float, 0.1, "local learning rate"),
-    Key("local", "momentum", float, 0.0, "local SGD momentum"),
-    Key("local", "weight-decay", float, 0.0, "local SGD weight decay (L2)"),
-    Key("local", "max-examples", int, None, "train on a user's first k examples only", unset=0),
-    Key("adaptive", "enabled", bool, False, "adaptive clipping to a quantile of update norms (Andrew et al. 2021)"),
-    Key("adaptive", "target-quantile", float, 0.5, "γ: the quantile of update norms to track"),
-    Key("adaptive", "learning-rate", float, 0.2, "η_ζ of the geometric clip update"),
-    Key("adaptive", "bit-noise-std", float, None, "σ_b on the clip-bit sum (unset: B/20)", unset=0.0),
-    Key("server", "checkpoint-dir", str, None, "folder of the checkpoints (a public part, and secret/ with the "
-        "noise state and the operator's diagnostics) and results.json (absolute under Flower); unset: none",
-        unset=""),
-    Key("server", "reply-timeout", float, 120.0, "seconds to wait for the replies of one round (size it from the "
-        "slowest node's round; a node still connected that misses it is named in secret/operator.log)"),
-    Key("server", "min-nodes", int, 1, "SuperNodes hosting users that must be connected before every round"),
-    Key("server", "node-wait", float, 60.0, "seconds to wait for min-nodes; then the run stops with an error, "
-        "resumable"),
-    Key("server", "max-empty-rounds", int, 2, "stop with an error after this many rounds in a row in which "
-        "users were sampled but no valid reply came"),
-    Key("server", "noise-source", str, "auto", "Gaussian noise from secure (AES-CTR keyed from OS entropy) or "
-        "torch (a seeded generator, reproducible); auto: secure in a Flower run without FED_DP_SERVER_SEED, else torch",
-        choices=("auto", "secure", "torch")),
-    Key("client", "device", str, "auto", "where users train: auto (CUDA when present), cpu, cuda, cuda:N"),
-    Key("client", "training", str, "auto", "auto (users whose update is one full-batch step: without a model per user, unless "
-        "their norms would cost more; the others vectorized over users on CUDA, and on the CPU for small models "
-        "without convolutions; one at a time otherwise), vectorized or sequential", choices=TRAINING_PATHS),
-    Key("client", "chunk-size", int, None, "most users in one vectorized call (unset: from memory)", unset=0),
-    Key("run", "seed", int, None, "seeds the model and local training, and in fed-dp simulate the sampler and noise "
-        "too (a reproducible research run); a Flower run sends it to every client, so its sampler and noise come "
-        "from FED_DP_SERVER_SEED in the server's environment, else OS entropy; unset: OS entropy", unset=-1),
-    Key("run", "eval-every", int, 1, "evaluate the model every k rounds and after the last (0: never)"),
-)
-
-# --- sections ------------------------------------------------------------------------------------------------
+# --- sections: the schema (fed_dp.schema.setting), with PrivacyConfig and LocalTraining of fed_dp.config -------
 
 
 @dataclass(frozen=True, kw_only=True)
 class TaskSettings:
     """Which task to build: ``ref`` (built-in name or ``package.module:factory``), its data folder and the
-    factory's keyword arguments."""
+    factory's keyword arguments (every other key of ``[task]``)."""
 
-    ref: str = "heavy-tail"
-    root: str | None = None
+    ref: str = setting("heavy-tail", help="the task: a built-in name (" + ", ".join(registered_tasks())
+                       + ") or 'package.module:factory', a function returning a fed_dp.Task; the other [task] keys "
+                       "are its keyword arguments")
+    root: str | None = setting(None, help="local data folder of a task that reads files (a SuperNode's data-root "
+                               "wins)")
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,13 +107,29 @@ class TaskSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSettings:
-    """The server optimizer: a name of :data:`fed_dp.optimizers.OPTIMIZERS` and the hyper-parameters given."""
+    """The server optimizer: a name of :data:`fed_dp.optimizers.OPTIMIZERS` and the hyper-parameters given (an
+    unset one keeps the optimizer's own default)."""
 
-    name: str = "dp-adam"
-    options: Mapping[str, Any] = field(default_factory=dict)
+    name: str = setting("dp-adam", help="server optimizer (README: Server optimizers)", choices=tuple(OPTIMIZERS))
+    lr: float | None = setting(None, help="η (unset: the optimizer's default)")
+    beta1: float | None = setting(None, help="β₁ of the Adam variants")
+    beta2: float | None = setting(None, help="β₂ of the Adam variants")
+    eps: float | None = setting(None, help="ε of the adaptive optimizers")
+    weight_decay: float | None = setting(None, help="λ, decoupled weight decay (dp-adamw*)")
+    momentum: float | None = setting(None, help="μ of dp-sgd / dp-sgdm")
+    bc_floor: float | None = setting(None, help="γ of bias correction (unset: the noise variance Φ̂_t, = (σζ/B)² "
+                                     "for independent noise)")
+    ime_alpha: float | None = setting(None, help="α of independent moment estimation")
+    stp_eps: float | None = setting(None, help="ε_s of scale-then-privatize")
 
     def __post_init__(self) -> None:
         self.build()  # validates the name and every hyper-parameter now, before anything runs
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The hyper-parameters given, as keyword arguments of :func:`fed_dp.optimizers.make_optimizer`."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name" and getattr(self, f.name)
+                is not None}
 
     def build(self) -> ServerOptimizer:
         """The optimizer (non-private baselines are built as simulations; deployments refuse them)."""
@@ -212,13 +138,41 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdaptiveSettings:
+    """Adaptive clipping as configured; :meth:`build` turns it into fed_dp's config once B and ζ are known."""
+
+    enabled: bool = setting(False, help="adaptive clipping to a quantile of update norms (Andrew et al. 2021)")
+    # γ's and η_ζ's defaults are written once, on fed_dp.adaptive_clipping.AdaptiveClipConfig (the Python API)
+    target_quantile: float = setting(AdaptiveClipConfig.target_quantile, help="γ: the quantile of update norms to "
+                                     "track")
+    learning_rate: float = setting(AdaptiveClipConfig.learning_rate, help="η_ζ of the geometric clip update")
+    bit_noise_std: float | None = setting(None, help="σ_b on the clip-bit sum (unset: B/20)")
+
+    def build(self, privacy: PrivacyConfig) -> AdaptiveClipConfig | None:
+        """None when not enabled; else ζ_0 = privacy.clip_norm and σ_b defaulting to B/20 (Andrew et al. 2021)."""
+        if not self.enabled:
+            return None
+        std = self.bit_noise_std if self.bit_noise_std is not None else privacy.expected_cohort / 20
+        return AdaptiveClipConfig(target_quantile=self.target_quantile, learning_rate=self.learning_rate,
+                                  bit_noise_std=std, initial_clip_norm=privacy.clip_norm)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServerSettings:
-    checkpoint_dir: str | None = None
-    reply_timeout: float = 120.0
-    min_nodes: int = 1
-    node_wait: float = 60.0
-    max_empty_rounds: int = 2
-    noise_source: str = "auto"
+    checkpoint_dir: str | None = setting(None, help="folder of the checkpoints (a public part, and secret/ with the "
+                                         "noise state and the operator's diagnostics) and results.json (absolute "
+                                         "under Flower); unset: none")
+    reply_timeout: float = setting(120.0, help="seconds to wait for the replies of one round (size it from the "
+                                   "slowest node's round; a node still connected that misses it is named in "
+                                   "secret/operator.log)")
+    min_nodes: int = setting(1, help="SuperNodes hosting users that must be connected before every round")
+    node_wait: float = setting(60.0, help="seconds to wait for min-nodes; then the run stops with an error, "
+                               "resumable")
+    max_empty_rounds: int = setting(2, help="stop with an error after this many rounds in a row in which users "
+                                    "were sampled but no valid reply came")
+    noise_source: str = setting("auto", help="Gaussian noise from secure (AES-CTR keyed from OS entropy) or torch "
+                                "(a seeded generator, reproducible); auto: secure in a Flower run without "
+                                "FED_DP_SERVER_SEED, else torch", choices=NOISE_SOURCES)
 
     def __post_init__(self) -> None:
         for name in ("reply_timeout", "node_wait"):
@@ -228,8 +182,8 @@ class ServerSettings:
             value = getattr(self, name)
             _check(_integer(value) and value >= 1, f"server.{name.replace('_', '-')} must be an integer >= 1, "
                    f"got {value!r}")
-        _check(self.noise_source in ("auto", "secure", "torch"),
-               f"server.noise-source must be auto, secure or torch, got {self.noise_source!r}")
+        _check(self.noise_source in NOISE_SOURCES,
+               f"server.noise-source must be {', '.join(NOISE_SOURCES)}, got {self.noise_source!r}")
 
     @property
     def chosen_noise_source(self) -> str | None:
@@ -239,9 +193,12 @@ class ServerSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class ClientSettings:
-    device: str = "auto"
-    training: str = "auto"
-    chunk_size: int | None = None
+    device: str = setting("auto", help="where users train: auto (CUDA when present), cpu, cuda, cuda:N")
+    training: str = setting("auto", help="auto (users whose update is one full-batch step: without a model per "
+                            "user, unless their norms would cost more; the others vectorized over users on CUDA, and "
+                            "on the CPU for small models without convolutions; one at a time otherwise), vectorized "
+                            "or sequential", choices=TRAINING_PATHS)
+    chunk_size: int | None = setting(None, help="most users in one vectorized call (unset: from memory)")
 
     def __post_init__(self) -> None:
         _check(self.training in TRAINING_PATHS,
@@ -257,8 +214,11 @@ class ClientSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    seed: int | None = None
-    eval_every: int = 1
+    seed: int | None = setting(None, help="seeds the model and local training, and in fed-dp simulate the sampler "
+                               "and noise too (a reproducible research run); a Flower run sends it to every client, "
+                               "so its sampler and noise come from FED_DP_SERVER_SEED in the server's environment, "
+                               "else OS entropy; unset: OS entropy")
+    eval_every: int = setting(1, help="evaluate the model every k rounds and after the last (0: never)")
 
     def __post_init__(self) -> None:
         _check(self.seed is None or (_integer(self.seed) and self.seed >= 0),
@@ -267,19 +227,24 @@ class RunSettings:
                f"run.eval-every must be an integer >= 0, got {self.eval_every!r}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class AdaptiveSettings:
-    """Adaptive clipping as configured; :meth:`build` turns it into fed_dp's config once B and ζ are known."""
+#: The dataclass of each table, in the order of the configuration reference.
+SECTIONS: dict[str, type] = {"task": TaskSettings, "privacy": PrivacyConfig, "optimizer": OptimizerSettings,
+                             "local": LocalTraining, "adaptive": AdaptiveSettings, "server": ServerSettings,
+                             "client": ClientSettings, "run": RunSettings}
+TABLES = tuple(SECTIONS)
 
-    target_quantile: float = 0.5
-    learning_rate: float = 0.2
-    bit_noise_std: float | None = None
+#: Every key of every table, read from the sections (:func:`fed_dp.schema.keys_of`).
+KEYS: tuple[Key, ...] = tuple(key for table, section in SECTIONS.items() for key in keys_of(table, section))
 
-    def build(self, privacy: PrivacyConfig) -> AdaptiveClipConfig:
-        """ζ_0 = privacy.clip_norm; σ_b defaults to B/20 (Andrew et al. 2021)."""
-        std = self.bit_noise_std if self.bit_noise_std is not None else privacy.expected_cohort / 20
-        return AdaptiveClipConfig(target_quantile=self.target_quantile, learning_rate=self.learning_rate,
-                                  bit_noise_std=std, initial_clip_norm=privacy.clip_norm)
+#: ``table.key`` → its default (None: unset), for front ends other than the sections (the accounting CLI's options).
+DEFAULTS: dict[str, Any] = {key.dotted: key.default for key in KEYS}
+
+#: The sections at their defaults: what the public signatures' defaults read (``fed_dp.train``,
+#: ``fed_dp.round_loop.run_rounds``, ``UserLevelDP``), so that a default is written once, on its section.
+OPTIMIZER_DEFAULTS = OptimizerSettings()
+SERVER_DEFAULTS = ServerSettings()
+CLIENT_DEFAULTS = ClientSettings()
+RUN_DEFAULTS = RunSettings()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,7 +255,7 @@ class RunConfig:
     privacy: PrivacyConfig
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     local: LocalTraining = field(default_factory=LocalTraining)
-    adaptive: AdaptiveSettings | None = None
+    adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     client: ClientSettings = field(default_factory=ClientSettings)
     run: RunSettings = field(default_factory=RunSettings)
@@ -305,12 +270,13 @@ class RunConfig:
         for name, value in tables.items():
             _check(isinstance(value, dict), f"[{name}] must be a table of keys, got {value!r}")
         values = {table: _table_values(table, tables.get(table, {})) for table in TABLES if table != "task"}
+        privacy = _privacy(values["privacy"])
         return cls(
             task=_task_settings(tables.get("task", {})),
-            privacy=_privacy(values["privacy"]),
-            optimizer=OptimizerSettings(name=values["optimizer"].pop("name"), options=values["optimizer"]),
+            privacy=privacy,
+            optimizer=OptimizerSettings(**values["optimizer"]),
             local=LocalTraining(**values["local"]),
-            adaptive=_adaptive(values["adaptive"]),
+            adaptive=_adaptive(values["adaptive"], privacy),
             server=ServerSettings(**values["server"]),
             client=ClientSettings(**values["client"]),
             run=RunSettings(**values["run"]),
@@ -336,20 +302,18 @@ def _typed(key: Key, value: Any) -> Any:
 
 
 def _table_values(table: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys of one table as Python fields: given values typed, unset values dropped to None (or to the
-    default when the key has one), absent keys at their defaults."""
+    """The keys of one table as Python fields: given values typed, absent keys at their defaults, and optional
+    keys holding :data:`~fed_dp.schema.UNSET` ("") unset (None)."""
     keys = {key.name: key for key in KEYS if key.table == table}
     unknown = sorted(set(given) - set(keys))
     _check(not unknown, f"unknown key(s) {', '.join(f'{table}.{k}' for k in unknown)}; [{table}] has "
            f"{', '.join(keys)}")
     values: dict[str, Any] = {}
     for name, key in keys.items():
-        if name not in given or (key.unset is not None and given[name] == key.unset):
+        if name not in given or (key.optional and given[name] == UNSET):
             values[key.field] = key.default
         else:
             values[key.field] = _typed(key, given[name])
-    if table == "optimizer":  # hyper-parameters left unset take the optimizer's own defaults
-        values = {k: v for k, v in values.items() if v is not None}
     return values
 
 
@@ -366,19 +330,18 @@ def _privacy(values: dict[str, Any]) -> PrivacyConfig:
         raise ValueError(
             f"privacy.noise-multiplier = {values['noise_multiplier']} and privacy.target-epsilon = "
             f"{values['target_epsilon']} are both set: give one (in a Flower run config, set "
-            "privacy.noise-multiplier=0 to calibrate σ for the target ε)"
+            "privacy.noise-multiplier=\"\" to calibrate σ for the target ε)"
         )
     return PrivacyConfig(**values)
 
 
-def _adaptive(values: dict[str, Any]) -> AdaptiveSettings | None:
-    enabled = values.pop("enabled")
+def _adaptive(values: dict[str, Any], privacy: PrivacyConfig) -> AdaptiveSettings:
     settings = AdaptiveSettings(**values)
-    if not enabled:
+    settings.build(privacy)  # validates the enabled settings now, before anything runs
+    if not settings.enabled:
         changed = [k for k, v in values.items() if v != getattr(AdaptiveSettings(), k)]
         _check(not changed, f"adaptive.{changed[0].replace('_', '-') if changed else ''} is set but "
                "adaptive.enabled is false; enable adaptive clipping or leave its keys out")
-        return None
     return settings
 
 
@@ -398,6 +361,67 @@ def flower_defaults(task_options: Mapping[str, Any] | None = None) -> dict[str, 
     defaults = {key.dotted: key.flower_default for key in KEYS}
     defaults.update({f"task.{name}": value for name, value in (task_options or {}).items()})
     return defaults
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar as a TOML literal (``"text"``, ``true``, ``1e-05``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    return repr(value)
+
+
+def flower_table(task_options: Sequence[str] = ()) -> str:
+    """The body of ``[tool.flwr.app.config]`` (:func:`flower_defaults` as TOML lines), with ``task.<option> = ""``
+    for each of ``task_options``: what fed-dp's pyproject.toml lists (``python -m fed_dp.run_config --flower``)."""
+    values = flower_defaults({name: UNSET for name in task_options})
+    return "".join(f"{name} = {_toml_value(value)}\n" for name, value in values.items())
+
+
+def _shown_default(key: Key) -> str:
+    return "unset" if key.optional else _toml_value(key.default)
+
+
+def reference_markdown() -> str:
+    """The configuration reference (``docs/reference/configuration.md``), generated from :data:`KEYS`: one table
+    per section with each key's type, default and meaning, so that it is never written by hand."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from fed_dp/run_config.py by `python -m fed_dp.run_config > docs/reference/configuration.md`;"
+        " do not edit by hand. -->",
+        "",
+        "Every key of a run, read by `fed-dp simulate` / `compare` TOML files (tables `[task]`, `[privacy]`, ...),"
+        " `--set table.key=value`, Flower run configs (`[tool.flwr.app.config]`, `flwr run --run-config`, keys"
+        " flattened to `table.key`) and `fed_dp.RunConfig` in Python, where each table is a frozen dataclass and each"
+        " key a field (hyphens become underscores).",
+        "",
+        "A key whose default is *unset* is optional. A Flower run config cannot leave a key out, so there an unset"
+        ' key holds the empty string `""`, which is never a valid value; any other value is checked as a value'
+        " (`privacy.noise-multiplier = -1` is refused, not read as unset). Give `privacy.noise-multiplier` or"
+        " `privacy.target-epsilon`, not both; σ = 1.0 applies when neither is given. `[task]` is open: besides"
+        ' `ref` and `root`, every key is a keyword argument of the task function (`""`: not given, the function\'s'
+        " own default applies).",
+    ]
+    for table in TABLES:
+        lines += ["", f"## `[{table}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key in (k for k in KEYS if k.table == table):
+            choices = f" (one of {', '.join(f'`{c}`' for c in key.choices)})" if key.choices else ""
+            doc = (key.doc + choices).replace("|", "\\|")
+            lines.append(f"| `{key.dotted}` | {key.kind.__name__} | `{_shown_default(key)}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fed_dp.run_config``: print the configuration reference (Markdown); with ``--flower``, the body
+    of the Flower run-config table, ``[tool.flwr.app.config]``, listing the given ``task.`` options."""
+    parser = argparse.ArgumentParser(prog="python -m fed_dp.run_config", description=main.__doc__.split(";")[0])
+    parser.add_argument("--flower", nargs="*", metavar="TASK_OPTION",
+                        help="print the Flower run-config table instead, with task.OPTION = \"\" for each option")
+    args = parser.parse_args(argv)
+    sys.stdout.write(reference_markdown() if args.flower is None else flower_table(args.flower))
+    return 0
 
 
 def apply_overrides(tables: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -420,3 +444,7 @@ def apply_overrides(tables: Mapping[str, Any], overrides: Sequence[str]) -> dict
             target = target.setdefault(table, {})
         target[name] = value
     return tables
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -55,9 +55,9 @@ def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
         raise ValueError(f"privacy.num-users = {privacy.num_users} but the task has {num_users} users")
     return strategy_class(
         privacy, run.optimizer.build(),
-        adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
+        adaptive_clipping=run.adaptive.build(privacy),
         seed=server_seed(environ), training_seed=run.run.seed, checkpoint_dir=run.server.checkpoint_dir,
-        evaluate_every=run.run.eval_every, max_empty_rounds=run.server.max_empty_rounds,
+        eval_every=run.run.eval_every, max_empty_rounds=run.server.max_empty_rounds,
         min_nodes=run.server.min_nodes, node_wait=run.server.node_wait,
         noise_source=run.server.chosen_noise_source,
     )

@@ -24,7 +24,7 @@ with ``FedAvg``, and call the base method inside its override:
 - ``configure_evaluate`` / ``aggregate_evaluate``: no override; federated evaluation would read users' data
   outside the guarantee, and ``start`` refuses a subclass that overrides them. Evaluation is centralized:
   ``evaluate_fn(round, arrays)``, Flower's hook, on the server's held-out data before round 1 and every
-  ``evaluate_every`` rounds.
+  ``eval_every`` rounds.
 - ``aggregate_train``: may log, add, rename or drop metrics; what it returns is the round's entry of
   ``result.train_metrics_clientapp``. The base method is the core round — re-clip to ζ per user, sum, Gaussian
   noise, divide by the fixed B, optimizer step, ε ledger — and runs on every round: an override that returns
@@ -75,6 +75,7 @@ from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
 from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
+from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS
 
 log = logging.getLogger("fed_dp.server")
 
@@ -173,7 +174,7 @@ class UserLevelDP(Strategy):
         which every client can read in the run config, so that it never seeds the sampler or the noise).
     checkpoint_dir: folder for the checkpoints (every round; ``fed_dp.checkpoint``: a publishable part and a
         secret part) and ``results.json``; resumes from it.
-    evaluate_every: centralized evaluation every k rounds and after the last (0: never).
+    eval_every: centralized evaluation every k rounds and after the last (0: never), as ``run.eval-every``.
     max_empty_rounds: stop with an error after this many rounds in a row without any counted user.
     min_nodes, node_wait: before every round at least ``min_nodes`` hosting nodes must be connected; the server
         waits at most ``node_wait`` seconds for them, then stops with ``NotEnoughNodesError`` (resumable).
@@ -183,10 +184,11 @@ class UserLevelDP(Strategy):
         (default): secure unless a seed is given.
     """
 
-    def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = "dp-adam", *,
+    def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name, *,
                  adaptive_clipping: AdaptiveClipConfig | None = None, seed: int | None = None,
-                 training_seed: int | None = None, checkpoint_dir: str | None = None, evaluate_every: int = 1, max_empty_rounds: int = 2,
-                 min_nodes: int = 1, node_wait: float = 60.0,
+                 training_seed: int | None = None, checkpoint_dir: str | None = SERVER_DEFAULTS.checkpoint_dir,
+                 eval_every: int = RUN_DEFAULTS.eval_every, max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
+                 min_nodes: int = SERVER_DEFAULTS.min_nodes, node_wait: float = SERVER_DEFAULTS.node_wait,
                  on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str | None = None) -> None:
         super().__init__()
         if not isinstance(privacy, PrivacyConfig):
@@ -202,17 +204,17 @@ class UserLevelDP(Strategy):
         for name, value in (("seed", seed), ("training_seed", training_seed)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
-        for name, value in (("evaluate_every", evaluate_every), ("max_empty_rounds", max_empty_rounds - 1),
+        for name, value in (("eval_every", eval_every), ("max_empty_rounds", max_empty_rounds - 1),
                             ("min_nodes", min_nodes - 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= {0 if name == 'evaluate_every' else 1}")
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'eval_every' else 1}")
         self.privacy, self.adaptive_clipping, self.seed = privacy, adaptive_clipping, seed
-        self.checkpoint_dir, self.evaluate_every, self.max_empty_rounds = checkpoint_dir, evaluate_every, max_empty_rounds
+        self.checkpoint_dir, self.eval_every, self.max_empty_rounds = checkpoint_dir, eval_every, max_empty_rounds
         self.min_nodes, self.node_wait, self.on_round = min_nodes, node_wait, on_round
         self.state: ServerState | None = None
         self.layout: ParamLayout | None = None
         self.membership: Membership | None = None
-        self.reply_timeout = 120.0
+        self.reply_timeout = SERVER_DEFAULTS.reply_timeout
         self.slowest_full_round = 0.0  # seconds of the slowest exchange in which every asked node replied
         self._grid: Grid | None = None
         self.noise_source = noise_source if noise_source is not None else "secure" if seed is None else "torch"
@@ -417,7 +419,8 @@ class UserLevelDP(Strategy):
                  f"sampler and noise from the server's seed (reproducible research run), {self.noise_source} noise"
                  if self.seed is not None else f"seeds from OS entropy, {self.noise_source} noise")
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None, timeout: float = 120.0,
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
+              timeout: float = SERVER_DEFAULTS.reply_timeout,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> DPResult:
         """Run the rounds (default: all T of the privacy plan) and return the final model and the privacy spent.
@@ -429,7 +432,7 @@ class UserLevelDP(Strategy):
 
         ``timeout``: seconds to wait for one round's replies. ``train_config`` reaches every node in the
         message's ``"config"`` record (the same record every round, as in Flower). ``evaluate_fn(round, arrays)``:
-        centralized evaluation (Flower's convention), before the first round and every ``evaluate_every`` rounds.
+        centralized evaluation (Flower's convention), before the first round and every ``eval_every`` rounds.
         Raises
         ``fed_dp.server.membership.NoUsersError`` when no node hosts a user,
         ``fed_dp.server.membership.ModelMismatchError`` when a node reports another model than the initial
@@ -456,7 +459,7 @@ class UserLevelDP(Strategy):
         result, aggregated = DPResult(), {}
         config = ConfigRecord() if train_config is None else train_config  # one record for all rounds, as Flower's
         resuming = self.checkpoint_dir and Path(self.checkpoint_dir, COMMIT_NAME).exists()
-        if evaluate_fn is not None and self.evaluate_every and self.state.round == 0 and not resuming:
+        if evaluate_fn is not None and self.eval_every and self.state.round == 0 and not resuming:
             initial = evaluate_fn(0, self.arrays(self.state.params))
             if initial is not None:
                 result.evaluate_metrics_serverapp[0] = initial
@@ -503,7 +506,7 @@ class UserLevelDP(Strategy):
             return {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
 
         loop = run_rounds(self.state, exchange, rounds=num_rounds, evaluate=evaluate if evaluate_fn else None,
-                          eval_every=self.evaluate_every, checkpoint_dir=self.checkpoint_dir,
+                          eval_every=self.eval_every, checkpoint_dir=self.checkpoint_dir,
                           max_empty_rounds=self.max_empty_rounds, on_round=self.on_round, exchange_aggregates=True)
         self.state = loop.state
         final = loop.records[-1] if loop.records else {}

@@ -59,6 +59,8 @@ from fed_dp.sampling import neighboring_relation
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import init_server
 from fed_dp.round_loop import RoundReplies, run_rounds
+from fed_dp.run_config import CLIENT_DEFAULTS
+from fed_dp.schema import UNSET
 
 THREAT_MODELS = ("final-model", "all-iterates")
 
@@ -177,8 +179,9 @@ def _accounted_noise_multiplier(privacy: PrivacyConfig, optimizer: ServerOptimiz
 
 def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, local: LocalTraining, *,
               canaries: int = 1000, seed: int = 0, confidence: float = 0.95, noise_scale: float = 1.0,
-              no_noise: bool = False, mechanism_only: bool = False, device: str = "cpu", training: str = "auto",
-              chunk_size: int | None = None) -> AuditResult:
+              no_noise: bool = False, mechanism_only: bool = False, device: str = "cpu",
+              training: str = CLIENT_DEFAULTS.training, chunk_size: int | None = CLIENT_DEFAULTS.chunk_size,
+              ) -> AuditResult:
     """Run ``task``'s mechanism once with ``canaries`` candidates and audit it (module docstring). ``no_noise``:
     add no noise at all (accounted ε = ∞); the configured σ is then only a placeholder for the code that needs
     one. ``mechanism_only``: the real users are sampled and counted but send zero updates (``fed-dp audit``'s
@@ -287,15 +290,16 @@ def audit_config(config: dict[str, Any], *, canaries: int, confidence: float, op
     privacy_table = config.setdefault("privacy", {})
     no_noise = privacy_table.get("noise-multiplier") == 0
     if no_noise:
-        if privacy_table.get("target-epsilon", 0) not in (0, -1):
-            raise ValueError("privacy.noise-multiplier = 0 audits a run without noise; leave privacy.target-epsilon out")
+        if privacy_table.get("target-epsilon", UNSET) != UNSET:
+            raise ValueError("privacy.noise-multiplier = 0 audits a run without noise; leave privacy.target-epsilon "
+                             "out (or unset it: --set 'privacy.target-epsilon=\"\"')")
         privacy_table["noise-multiplier"] = 1.0  # a placeholder: no noise is added, the accounted ε is ∞
     experiment = parse_experiment(config, command="fed-dp audit")
     name = optimizer or next(iter(experiment.runs))
     if name not in experiment.runs:
         raise ValueError(f"optimizer {name!r} is not among the config's {list(experiment.runs)}")
     run = experiment.runs[name]
-    if run.adaptive is not None:
+    if run.adaptive.enabled:
         raise ValueError("fed-dp audit measures the mechanism with a fixed clip norm; adaptive clipping (its clip "
                          "bits and moving ζ) is not audited: set adaptive.enabled = false or remove [adaptive]")
     task = task if task is not None else build_task(run.task)

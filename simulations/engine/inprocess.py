@@ -43,6 +43,7 @@ from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
+from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
@@ -86,18 +87,18 @@ def _progress(rounds: int, on_round: Callable[[dict[str, Any]], None] | None):
 def train(
     task: Task,
     privacy: PrivacyConfig,
-    optimizer: ServerOptimizer | str = "dp-adam",
+    optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name,
     local: LocalTraining | None = None,
     *,
     adaptive_clipping: AdaptiveClipConfig | None = None,
     seed: int | None = None,
     training_seed: int | None = None,
-    eval_every: int = 1,
-    device: str | torch.device = "auto",
-    training: str = "auto",
-    chunk_size: int | None = None,
+    eval_every: int = RUN_DEFAULTS.eval_every,
+    device: str | torch.device = CLIENT_DEFAULTS.device,
+    training: str = CLIENT_DEFAULTS.training,
+    chunk_size: int | None = CLIENT_DEFAULTS.chunk_size,
     checkpoint_dir: str | None = None,
-    max_empty_rounds: int = 2,
+    max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = False,
     noise_source: str = "torch",

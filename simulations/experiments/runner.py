@@ -36,7 +36,7 @@ from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import OPTIMIZERS
 from fed_dp.randomness import entropy_seed
 from fed_dp.round_loop import TrainingStopped
-from fed_dp.run_config import RunConfig, apply_overrides
+from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides
 from fed_dp.simulations.engine.inprocess import train
 
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
@@ -102,7 +102,7 @@ def parse_experiment(config: dict[str, Any], command: str = "fed-dp simulate") -
     names = run_table.pop("optimizers", None)
     single = tables.get("optimizer", {})
     if names is None:
-        names = [single.get("name", "dp-adam")]
+        names = [single.get("name", OPTIMIZER_DEFAULTS.name)]
     elif "name" in single:
         raise ValueError("give optimizer.name or run.optimizers, not both")
     if not isinstance(names, list) or not names:
@@ -228,7 +228,7 @@ def run_experiment(
         start = time.perf_counter()
         try:
             result = train(task, privacy, run.optimizer.build(), run.local,
-                           adaptive_clipping=run.adaptive.build(privacy) if run.adaptive is not None else None,
+                           adaptive_clipping=run.adaptive.build(privacy),
                            seed=seeds.privacy, training_seed=seeds.training, eval_every=run.run.eval_every,
                            device=run.client.device, training=run.client.training,
                            chunk_size=run.client.chunk_size, on_round=on_round,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -27,7 +28,7 @@ from typing import Any
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.clients.task import build_task
-from fed_dp.run_config import RunConfig, apply_overrides
+from fed_dp.run_config import apply_overrides
 from fed_dp.simulations.engine.inprocess import train
 from fed_dp.simulations.experiments.runner import load_config, parse_experiment
 
@@ -74,10 +75,9 @@ def tune(config: dict[str, Any], grids: dict[str, tuple[float, ...]] | None = No
     rows = []
     for name, run in experiment.runs.items():
         for lr in (grids or {}).get(name, grid_for(name)):
-            options = {**run.optimizer.options, "lr": lr}
-            tuned = RunConfig.from_tables({"optimizer": {"name": name, **{k.replace("_", "-"): v for k, v in options.items()}}})
+            tuned = dataclasses.replace(run.optimizer, name=name, lr=lr)
             start = time.perf_counter()
-            result = train(task, privacy, tuned.optimizer.build(), run.local, seed=seed, eval_every=run.run.eval_every,
+            result = train(task, privacy, tuned.build(), run.local, seed=seed, eval_every=run.run.eval_every,
                            device=run.client.device, training=run.client.training, chunk_size=run.client.chunk_size)
             final = [r for r in result.records if "eval_loss" in r][-1]
             row = {"optimizer": name, "lr": lr, "score": _score(final), "eval_accuracy": final.get("eval_accuracy"),

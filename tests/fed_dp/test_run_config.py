@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import inspect
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from flwr.common.config import flatten_dict
+from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
 
+import fed_dp
 from fed_dp.accounting import epsilon, resolve_privacy
+from fed_dp.cli import build_parser
+from fed_dp.clients.node import LocalTrainer
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import make_optimizer
-from fed_dp.run_config import (KEYS, TASK_GROUP, AdaptiveSettings, ClientSettings, RunConfig, RunSettings,
-                               ServerSettings, TaskSettings, apply_overrides, flower_defaults, registered_tasks,
-                               unflatten)
+from fed_dp.round_loop import run_rounds
+from fed_dp.run_config import SECTIONS as SCHEMA_SECTIONS
+from fed_dp.run_config import (DEFAULTS, KEYS, TABLES, TASK_GROUP, AdaptiveSettings, ClientSettings, RunConfig,
+                               RunSettings, ServerSettings, TaskSettings, apply_overrides, flower_defaults,
+                               flower_table, reference_markdown, registered_tasks, unflatten)
+from fed_dp.schema import UNSET
+from fed_dp.server.flower_strategy import UserLevelDP
+from fed_dp.simulations.audit import run_audit
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = {"privacy": PrivacyConfig, "local": LocalTraining, "server": ServerSettings, "client": ClientSettings,
@@ -26,9 +37,21 @@ def test_every_key_is_defined_once_with_a_type_and_a_meaning():
     names = [key.dotted for key in KEYS]
     assert len(names) == len(set(names))
     assert all(key.doc and key.kind in (int, float, str, bool) for key in KEYS)
-    for key in KEYS:  # an optional key has an unset value of its own type, which its checks reject as a value
-        if key.default is None:
-            assert key.unset is not None and isinstance(key.unset, key.kind)
+    for key in KEYS:  # an optional key is unset by "", which is no value of a number or flag, nor a valid text
+        assert key.unset == (UNSET if key.default is None else None) and key.optional == (key.default is None)
+        assert key.flower_default == (UNSET if key.default is None else key.default)
+        assert key.default is None or isinstance(key.default, key.kind)
+    assert UNSET == ""
+
+
+def test_the_keys_are_the_fields_of_the_sections():
+    """One schema: every key is a field of its table's dataclass (declared with fed_dp.schema.setting), and every
+    such field is a key; the only other fields are [task]'s open options."""
+    assert set(SCHEMA_SECTIONS) == set(TABLES) and {key.table for key in KEYS} == set(TABLES)
+    for table, section in SCHEMA_SECTIONS.items():
+        declared = [f.name for f in dataclasses.fields(section) if "help" in f.metadata]
+        assert declared == [key.field for key in KEYS if key.table == table], table
+        assert {f.name for f in dataclasses.fields(section)} - set(declared) <= {"options"}, table
 
 
 @pytest.mark.parametrize("table", sorted(SECTIONS))
@@ -49,20 +72,130 @@ def test_optimizer_keys_left_unset_keep_each_variants_own_defaults():
     assert run.optimizer.build() == make_optimizer("dp-adamw")  # its weight decay 1e-2, not a flattened default
 
 
+def _pyproject_flower_config() -> dict:
+    return flatten_dict(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+
+
 def test_pyproject_flower_config_is_the_schema_plus_task_options():
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    flat = flatten_dict(config)
+    flat = _pyproject_flower_config()
     task_options = {k: v for k, v in flat.items() if k.startswith("task.") and k not in ("task.ref", "task.root")}
     assert flat == flower_defaults({k[5:]: v for k, v in task_options.items()})
     assert set(task_options.values()) == {""}  # listed so that --run-config can set them; "" = not given
     assert RunConfig.from_flat(flat) == RunConfig.from_flat({})  # the app's defaults are the schema's
 
 
+def test_pyproject_flower_config_is_the_generated_table():
+    """``[tool.flwr.app.config]`` is the output of ``python -m fed_dp.run_config --flower OPTION...``, line for line."""
+    text = (REPO / "pyproject.toml").read_text()
+    table = text[text.index("[tool.flwr.app.config]\n"):].split("\n", 1)[1].split("\n[", 1)[0].strip() + "\n"
+    options = [k[5:] for k in _pyproject_flower_config() if k.startswith("task.") and k not in ("task.ref", "task.root")]
+    assert table == flower_table(options)
+    result = subprocess.run([sys.executable, "-m", "fed_dp.run_config", "--flower", *options], cwd=REPO,
+                            capture_output=True, text=True, check=True)
+    assert result.stdout == table
+
+
+def test_the_configuration_reference_in_the_docs_is_generated_from_the_schema():
+    """docs/reference/configuration.md is never written by hand: ``python -m fed_dp.run_config > docs/reference/
+    configuration.md`` writes it, and it lists every key with its default."""
+    page = (REPO / "docs" / "reference" / "configuration.md").read_text(encoding="utf-8")
+    assert page == reference_markdown()
+    result = subprocess.run([sys.executable, "-m", "fed_dp.run_config"], cwd=REPO, capture_output=True, text=True,
+                            check=True)
+    assert result.stdout == page
+    for key in KEYS:
+        shown = "unset" if key.default is None else str(key.default).lower() if isinstance(key.default, bool) \
+            else f'"{key.default}"' if isinstance(key.default, str) else repr(key.default)
+        assert f"| `{key.dotted}` | {key.kind.__name__} | `{shown}` |" in page, key.dotted
+
+
+def test_a_flower_run_config_override_replaces_an_unset_key():
+    """flwr's own parsing and merging of ``--run-config`` (no type check against the pyproject value): a key
+    whose default is "" takes the number given."""
+    overrides = parse_config_args(['privacy.noise-multiplier=1.5 privacy.epsilon-budget=9 run.seed=3'])
+    run = RunConfig.from_flat(fuse_dicts(_pyproject_flower_config(), overrides))
+    assert run.privacy.noise_multiplier == 1.5 and run.privacy.epsilon_budget == 9.0 and run.run.seed == 3
+    overrides = parse_config_args(['privacy.target-epsilon=4.0'])
+    run = RunConfig.from_flat(fuse_dicts(_pyproject_flower_config(), overrides))
+    assert run.privacy.noise_multiplier is None and run.privacy.target_epsilon == 4.0
+
+
+@pytest.mark.parametrize("flat, message", [
+    ({"privacy.noise-multiplier": -1.0}, "noise_multiplier must be a finite number > 0, got -1.0"),
+    ({"privacy.noise-multiplier": "", "privacy.target-epsilon": 0.0}, "target_epsilon must be a finite number > 0"),
+    ({"privacy.num-users": 0}, "num_users must be an integer >= 1"),
+    ({"privacy.buffers": 0}, "buffers = 0 only applies to noise 'blt'"),
+    ({"privacy.sampler": "min-sep", "privacy.max-participations": 0}, "max_participations must be an integer >= 1"),
+    ({"privacy.epsilon-budget": 0.0}, "epsilon_budget must be a finite number > 0"),
+    ({"optimizer.lr": 0.0}, "lr must be a finite number > 0"),
+    ({"optimizer.beta1": -1.0}, r"beta1 must be in \[0, 1\)"),
+    ({"optimizer.name": "dp-adamw", "optimizer.weight-decay": -1.0}, "weight_decay must be a finite number >= 0"),
+    ({"optimizer.name": "dp-adambc", "optimizer.bc-floor": 0.0}, "bc_floor"),
+    ({"local.steps": 0}, "local steps must be an integer >= 1"),
+    ({"local.max-examples": 0}, "local max_examples must be an integer >= 1"),
+    ({"adaptive.enabled": True, "adaptive.bit-noise-std": 0.0}, "bit_noise_std must be a finite number > 0"),
+    ({"client.chunk-size": 0}, "client.chunk-size must be an integer >= 1"),
+    ({"run.seed": -1}, "run.seed must be an integer >= 0"),
+    ({"privacy.rounds": ""}, "privacy.rounds must be int"),  # "" unsets optional keys only
+])
+def test_the_former_unset_values_are_refused_as_values(flat, message):
+    """Issue 27: no value a user could mean as a setting says "unset" (−1 was σ's unset value in a Flower run
+    config, so a user's own −1 ran with σ = 1.0); only "" does, and every other value is checked."""
+    with pytest.raises(ValueError, match=message):
+        RunConfig.from_flat({**flower_defaults(), **flat})
+
+
+CLIENT_KEYS = {"device": "client.device", "training": "client.training", "chunk_size": "client.chunk-size"}
+LOOP_KEYS = {"eval_every": "run.eval-every", "max_empty_rounds": "server.max-empty-rounds"}
+#: The public signatures whose defaults are run defaults: parameter → key.
+SIGNATURES = {
+    fed_dp.train: {"optimizer": "optimizer.name", **LOOP_KEYS, **CLIENT_KEYS},
+    run_rounds: LOOP_KEYS,
+    UserLevelDP.__init__: {"optimizer": "optimizer.name", "checkpoint_dir": "server.checkpoint-dir", **LOOP_KEYS,
+                           "min_nodes": "server.min-nodes", "node_wait": "server.node-wait"},
+    UserLevelDP.start: {"timeout": "server.reply-timeout"},
+    LocalTrainer.__init__: CLIENT_KEYS,
+    run_audit: {"training": "client.training", "chunk_size": "client.chunk-size"},
+}
+SIGNATURE_DEFAULTS = [(function, parameter, key) for function, keys in SIGNATURES.items()
+                      for parameter, key in keys.items()]
+
+
+@pytest.mark.parametrize("function, parameter, key", SIGNATURE_DEFAULTS,
+                         ids=[f"{f.__qualname__}-{p}" for f, p, _ in SIGNATURE_DEFAULTS])
+def test_public_signatures_default_to_the_schema(function, parameter, key):
+    """fed_dp.train, run_rounds, UserLevelDP and LocalTrainer take these defaults from the schema's sections
+    (``SERVER_DEFAULTS.max_empty_rounds``, ...): a Python caller and a run config get the same run."""
+    defaults = {k.dotted: k.default for k in KEYS}
+    assert inspect.signature(function).parameters[parameter].default == defaults[key]
+
+
+def test_the_accounting_cli_defaults_are_the_schemas():
+    """``fed-dp epsilon`` / ``calibrate``: each privacy option left out takes the run config's default."""
+    args = build_parser().parse_args(["epsilon", "--num-users", "100", "--expected-cohort", "10", "--rounds", "5",
+                                      "--noise-multiplier", "1", "--delta", "1e-5"])
+    for name in ("sampler", "noise", "bands", "buffers", "workload", "momentum", "max_participations", "accountant"):
+        assert getattr(args, name) == DEFAULTS[f"privacy.{name.replace('_', '-')}"], name
+
+
+def test_one_name_per_setting():
+    """A keyword of a public signature that is a run-config setting has the key's name (``eval_every`` as
+    ``run.eval-every``; ``evaluate_every`` is gone)."""
+    # the two exceptions: the optimizer itself (or its name), and Flower's own keyword of Strategy.start
+    named_otherwise = {("optimizer", "optimizer.name"), ("timeout", "server.reply-timeout")}
+    for _, parameter, key in SIGNATURE_DEFAULTS:
+        assert parameter == key.split(".")[1].replace("-", "_") or (parameter, key) in named_otherwise
+    with pytest.raises(TypeError, match="evaluate_every"):
+        UserLevelDP(PrivacyConfig(num_users=20, expected_cohort=5, rounds=2, delta=1e-5, noise_multiplier=1.0),
+                    evaluate_every=1)
+
+
 def test_defaults_and_unset_values():
     run = RunConfig.from_flat({})
     assert run.privacy.noise_multiplier == 1.0 and run.privacy.target_epsilon is None
     assert run.privacy.accountant == "pld" and run.privacy.num_users is None and run.privacy.epsilon_budget is None
-    assert run.run.seed is None and run.server.checkpoint_dir is None and run.adaptive is None
+    assert run.run.seed is None and run.server.checkpoint_dir is None and not run.adaptive.enabled
+    assert run.adaptive == AdaptiveSettings() and run.adaptive.build(run.privacy) is None
     assert run.task.ref == "heavy-tail" and run.task.options == {}
     flat = {**flower_defaults(), "privacy.target-epsilon": 3.0, "privacy.epsilon-budget": 5.0, "run.seed": 2,
             "task.users": 30, "task.groups": ""}
@@ -72,7 +205,7 @@ def test_defaults_and_unset_values():
     assert run.task.options == {"users": 30}  # "" means not given
     resolved = resolve_privacy(run.privacy, 30)
     assert epsilon(resolved) <= 3.0 and resolved.num_users == 30
-    assert run.privacy.buffers is None  # privacy.buffers = 0 is unset
+    assert run.privacy.buffers is None  # privacy.buffers = "" is unset
     blt = RunConfig.from_flat({**flower_defaults(), "privacy.noise": "blt", "privacy.buffers": 4,
                                "privacy.sampler": "min-sep"})
     assert blt.privacy.noise == "blt" and blt.privacy.buffers == 4

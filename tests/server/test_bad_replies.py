@@ -29,7 +29,7 @@ def _server_app(checkpoint_dir: Path, outcome: dict) -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = UserLevelDP(PRIVACY, "dp-fedavg", seed=3, checkpoint_dir=str(checkpoint_dir), evaluate_every=0)
+        strategy = UserLevelDP(PRIVACY, "dp-fedavg", seed=3, checkpoint_dir=str(checkpoint_dir), eval_every=0)
         try:
             outcome["result"] = strategy.start(grid, model_arrays(initial_model(heavy_tail_task(), 3)[0]))
         except Exception as error:  # the ServerApp runs in a thread of run_simulation: keep what it raised

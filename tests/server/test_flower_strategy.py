@@ -146,7 +146,7 @@ def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_
     """Two nodes hosting 20 users each: ε every round = dp_accounting's; the final model = fed_dp.train's for
     the same seed (float32 sums added per node first: rtol 1e-5)."""
     model = initial_model(TASK, 7)[0]
-    strategy = UserLevelDP(PRIVACY, "dp-adam", seed=7, checkpoint_dir=str(tmp_path), evaluate_every=1)
+    strategy = UserLevelDP(PRIVACY, "dp-adam", seed=7, checkpoint_dir=str(tmp_path), eval_every=1)
     grid = honest_grid()
     result = strategy.start(grid, model_arrays(model), evaluate_fn=None)
     engine = train(TASK, PRIVACY, "dp-adam", LOCAL, seed=7, device="cpu")

@@ -231,7 +231,7 @@ def test_an_unseeded_run_publishes_no_seed_that_reproduces_its_noise_or_cohorts(
     """Issue 25 item 2: without run.seed, config.json holds only the seed of the model's initialization and local
     training; re-running with it as run.seed draws other cohorts and other noise (on main it reproduced both:
     the sampler and noise seeds were derived from the written seed). A seeded run writes the seed it was given."""
-    single = ['run.optimizers=["dp-sgd"]', "run.eval-every=0", "run.seed=-1"]  # -1: unset
+    single = ['run.optimizers=["dp-sgd"]', "run.eval-every=0", 'run.seed=""']  # "": unset
     run_experiment(_tiny(single), tmp_path / "a", progress=False, log=lambda *_: None)
     written = json.loads((tmp_path / "a" / "config.json").read_text())["resolved"]
     assert "written nowhere" in written["seed_note"]
