@@ -20,7 +20,6 @@ Users train on ``device``; the server round stays on the CPU, and only θ_{t−1
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
@@ -43,6 +41,7 @@ from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, run_rounds
+from fed_dp.simulations.engine.progress import RoundProgress
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
@@ -70,13 +69,12 @@ def _on_cpu(contribution: Contribution) -> Contribution:
 
 
 def _progress(rounds: int, on_round: Callable[[dict[str, Any]], None] | None):
-    bar = tqdm(total=rounds, desc="rounds", leave=False)
+    """A progress display of the rounds (a bar on a terminal, plain lines in a log) and the ``on_round`` that
+    feeds it, then calls the caller's."""
+    bar = RoundProgress(rounds)
 
     def step(record: dict[str, Any]) -> None:
-        eps = record["epsilon"]
-        loss = record.get("nonprivate_train_loss", math.nan)
-        bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}", loss=f"{loss:.3f}")
-        bar.update(1)
+        bar.update(record)
         if on_round is not None:
             on_round(record)
 

@@ -26,8 +26,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from fed_dp.accounting import epsilon_schedule, resolve_privacy
 from fed_dp.clients.task import Task, build_task
 from fed_dp.clients.training import resolve_device
@@ -36,6 +34,7 @@ from fed_dp.optimizers import OPTIMIZERS
 from fed_dp.randomness import entropy_seed
 from fed_dp.run_config import RunConfig, apply_overrides
 from fed_dp.simulations.engine.inprocess import train
+from fed_dp.simulations.engine.progress import RoundProgress
 
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
            "read_results", "run_experiment"]
@@ -215,13 +214,11 @@ def run_experiment(
         + (f", chunks of {base.client.chunk_size} users" if base.client.chunk_size else ""))
     rows = []
     for name, run in experiment.runs.items():
-        bar = tqdm(total=privacy.rounds, desc=f"{name:>14}", disable=not progress, leave=True)
+        bar = RoundProgress(privacy.rounds, f"{name:>14}", leave=True) if progress else None
 
         def on_round(record: dict[str, Any]) -> None:
-            eps = record["epsilon"]
-            bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}",
-                            loss=f"{record['nonprivate_train_loss']:.3f}")
-            bar.update(1)
+            if bar is not None:
+                bar.update(record)
 
         start = time.perf_counter()
         try:
@@ -234,7 +231,8 @@ def run_experiment(
                            checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
                            max_empty_rounds=run.server.max_empty_rounds)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         if write:
             with (out / f"rounds-{name}.jsonl").open("w") as handle:
                 for record in result.records:
