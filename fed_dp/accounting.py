@@ -592,7 +592,7 @@ def _is_exact_round(schedule: EpsilonSchedule, rounds: int) -> bool:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """One released round: its index (0-based) and ε after it (no cohort size: it is computed from the
+    """One released round: its number t (1 … T, the t-th release) and ε after it (no cohort size: it is computed from the
     population, outside the accounted release, and is not part of what the ledger publishes)."""
 
     round: int
@@ -659,7 +659,7 @@ class PrivacyLedger:
 
     def record_round(self) -> RoundRecord:
         """Account for one released round (after ``check_next_round`` passed) and return its record."""
-        record = RoundRecord(self.rounds, self.check_next_round())
+        record = RoundRecord(self.rounds + 1, self.check_next_round())
         self._records.append(record)
         return record
 
@@ -679,8 +679,8 @@ class PrivacyLedger:
         """
         config = PrivacyConfig(**data["config"])
         records = tuple(RoundRecord(**r) for r in data["records"])
-        if [r.round for r in records] != list(range(len(records))):
-            raise ValueError("ledger records must be the consecutive rounds 0, 1, ...; this checkpoint is damaged")
+        if [r.round for r in records] != list(range(1, len(records) + 1)):
+            raise ValueError("ledger records must be the consecutive rounds 1, 2, ...; this checkpoint is damaged")
         if len(records) > config.rounds:
             raise ValueError(f"ledger checkpoint holds {len(records)} rounds but the configuration plans {config.rounds}")
         if records:

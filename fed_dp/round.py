@@ -258,7 +258,7 @@ def finish_round(
 ) -> tuple[ServerState, dict[str, Any]]:
     """Noise, average over B, step the optimizer, account. Returns the new state and the round's metrics.
 
-    The metrics are what may be published — round, ε, δ, the update norm, the optimizer's diagnostics of ν̂
+    The metrics are what may be published — round (t = 1 … T), ε, δ, the update norm, the optimizer's diagnostics of ν̂
     (post-processing), adaptive clipping's ζ_t and ζ_{t+1} — plus, under ``"nonprivate"``, exact counts that
     are computed from users' data outside any accounted mechanism: ``cohort_size`` (|S_t|), ``replied_users``,
     ``reclipped_replies``, ``unclipped_users`` and, in simulations, ``alignment_ratio``. Engines keep those
@@ -297,7 +297,7 @@ def finish_round(
     )
     step, opt_state, diagnostics = optimizer.update(release, state.opt_state, state.params)
     record = state.ledger.record_round()
-    public: dict[str, Any] = {"round": plan.round}
+    public: dict[str, Any] = {"round": plan.round + 1}  # the t-th release: rounds are numbered 1 … T
     if state.clipper is not None:  # ζ_t is broadcast; ζ_{t+1} comes from the noised bit sum
         public["clip_norm"] = plan.clip_norm
         public["next_clip_norm"] = state.clipper.step(counts["unclipped_users"], counted)

@@ -26,7 +26,6 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ from torch import nn
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
-from fed_dp.checkpoint import COMMIT_NAME
 from fed_dp.clients import protocol
 from fed_dp.clients.evaluation import evaluate_params
 from fed_dp.clients.task import Task
@@ -360,11 +358,6 @@ class UserLevelDP(Strategy):
                         "(which nodes failed or were late) are not kept")
         self._ensure_users(grid, timeout)
         result = DPResult()
-        resuming = self.checkpoint_dir and Path(self.checkpoint_dir, COMMIT_NAME).exists()
-        if evaluate_fn is not None and self.evaluate_every and self.state.round == 0 and not resuming:
-            initial = evaluate_fn(0, self.arrays(self.state.params))
-            if initial is not None:
-                result.evaluate_metrics_serverapp[0] = initial
 
         def exchange(plan: RoundPlan) -> RoundReplies:
             self._await_nodes(grid, plan.round)  # the sampled cohort does not depend on this: nothing private is revealed
@@ -385,7 +378,7 @@ class UserLevelDP(Strategy):
         self.state = loop.state
         final = loop.records[-1] if loop.records else {}
         result.arrays = self.arrays(self.state.params)
-        result.train_metrics_clientapp = {int(r["round"]) + 1: _numeric(r) for r in loop.records}
+        result.train_metrics_clientapp = {int(r["round"]): _numeric(r) for r in loop.records if r["round"] > 0}
         result.epsilon = final.get("epsilon", 0.0)
         result.delta, result.privacy = self.state.config.delta, self.state.config
         result.records, result.stopped = loop.records, loop.stopped

@@ -22,7 +22,7 @@ Results = dict[str, list[dict[str, Any]]]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    points = [(r["round"] + 1, r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    points = [(r["round"], r[key]) for r in records if isinstance(r.get(key), (int, float))]  # 0: initial model
     return [p[0] for p in points], [p[1] for p in points]
 
 

@@ -122,7 +122,7 @@ def _summary_row(name: str, records: list[dict[str, Any]], seconds: float) -> di
         "optimizer": name,
         "epsilon": final["epsilon"],
         "delta": final["delta"],
-        "rounds": len(records),
+        "rounds": sum(1 for r in records if r["round"] > 0),  # released rounds (round 0: the initial model)
         "eval_accuracy": last_eval.get("eval_accuracy", math.nan),
         "eval_loss": last_eval.get("eval_loss", math.nan),
         "seconds": round(seconds, 2),

@@ -40,7 +40,7 @@ def test_tls_deployment_three_supernodes_trains_and_reports_epsilon(tmp_path, ne
 
     assert_completed(result, d)
     records = read_results(checkpoint_dir)
-    assert len(records) == 3
+    assert [r["round"] for r in records] == [0, 1, 2, 3]  # 0: the initial model's evaluation
     assert records[-1]["epsilon"] == epsilon(config, 3)
     assert_ledger_is_uninterrupted(records, config, checkpoint_dir)
     logged = logged_rounds(result.output, 3)

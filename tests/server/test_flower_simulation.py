@@ -45,9 +45,10 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
     run = RunConfig.from_flat(config)
     privacy = _privacy(config)
     assert privacy.sampler == "poisson" and privacy.num_users == 40 and privacy.accountant == "pld"
-    assert [r["round"] for r in records] == [0, 1, 2]
-    for t, record in enumerate(records):
-        assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1), rel=1e-12)
+    assert [r["round"] for r in records] == [0, 1, 2, 3]  # 0: the initial model's evaluation (Flower's evaluate(0))
+    assert records[0]["epsilon"] == 0.0
+    for record in records[1:]:
+        assert record["epsilon"] == pytest.approx(epsilon(privacy, record["round"]), rel=1e-12)
         assert not {"cohort_size", "replied_users", "dropped"} & set(record)  # published: no counts
     for counts in read_diagnostics(out):  # the operator's secret diagnostics
         assert counts["replied_users"] == counts["cohort_size"] and not counts["dropped"]
@@ -154,7 +155,7 @@ def test_a_round_over_the_epsilon_budget_is_refused_and_the_run_ends_cleanly(tmp
     log = flower_run.run(tmp_path / "home", config, supernodes=2)
     assert f"fed-dp stopped before round {allowed + 1}" in log and "above the budget" in log
     records = _results(out)
-    assert len(records) == allowed and records[-1]["epsilon"] <= 3.5
+    assert [r["round"] for r in records] == list(range(allowed + 1)) and records[-1]["epsilon"] <= 3.5
     assert load_checkpoint(out)["state"]["round"] == allowed
 
 
@@ -166,9 +167,10 @@ def test_adaptive_clipping_bits_travel_through_flower(tmp_path):
     records = _results(out)
     privacy = _privacy(config)
     counts = read_diagnostics(out)
-    assert len(records) == 3 and all(c["replied_users"] == c["cohort_size"] for c in counts)
-    assert records[0]["clip_norm"] == privacy.clip_norm
-    assert [r["clip_norm"] for r in records[1:]] == [r["next_clip_norm"] for r in records[:-1]]
+    assert [r["round"] for r in records] == [0, 1, 2, 3] and all(c["replied_users"] == c["cohort_size"] for c in counts)
+    released = records[1:]  # records[0]: the initial model's evaluation, before any clip norm is used
+    assert released[0]["clip_norm"] == privacy.clip_norm
+    assert [r["clip_norm"] for r in released[1:]] == [r["next_clip_norm"] for r in released[:-1]]
     assert all(0 <= c["unclipped_users"] <= c["replied_users"] for c in counts)
     assert records[-1]["epsilon"] == pytest.approx(epsilon(privacy, 3))
 
