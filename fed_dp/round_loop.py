@@ -26,6 +26,7 @@ failed, and the round's duration (it grows with the cohort: about 10 ms per user
 which node missed the deadline). It goes to the operator's ``secret/diagnostics.jsonl`` in the checkpoint
 folder, in every engine; a simulation (``fed_dp.context.simulation()``) also keeps it in the records it
 returns, under names starting ``nonprivate_``, and in the checkpoint's secret part, never in a published file.
+Every key of a record, public or secret, with when it is present: ``fed_dp.records.RECORD_KEYS``.
 
 The engines differ only in ``exchange`` (how the plan reaches users and their contributions come back) and in
 ``evaluate``; all DP math is in ``fed_dp.round``.
