@@ -108,6 +108,8 @@ def epsilon(config: PrivacyConfig, rounds: int | None = None) -> float:
     second whatever the round count (building the sampled-Gaussian PLD dominates), and a comparison of
     several optimizers asks for the same values once per optimizer.
     """
+    if config.noise_multiplier == 0:  # the non-private baseline: no noise, no privacy
+        return math.inf
     accountant = make_accountant(config)
     accountant.compose(dp_event(config, rounds))
     return float(accountant.get_epsilon(config.delta))
@@ -299,6 +301,8 @@ def compute_epsilon_schedule(config: PrivacyConfig, progress: Progress | None = 
     """
     config.require_resolved("the ε schedule")
     rounds = config.rounds
+    if config.noise_multiplier == 0:  # the non-private baseline: ε is infinite after every round
+        return EpsilonSchedule(config.accountant, config.delta, (math.inf,) * rounds, tuple(range(1, rounds + 1)))
     if config.accountant == "rdp":
         values = _rdp_epsilons(config, range(1, rounds + 1), progress)
         return EpsilonSchedule("rdp", config.delta, tuple(values), tuple(range(1, rounds + 1)))

@@ -101,6 +101,11 @@ class PrivacyConfig:
                 f"expected_cohort (B = {self.expected_cohort}) must be <= num_users (N = {self.num_users})",
             )
 
+    @property
+    def non_private(self) -> bool:
+        """True for the explicit non-private baseline (noise_multiplier = 0): no noise, ε infinite."""
+        return self.noise_multiplier == 0
+
     def _validate_privacy_parameters(self) -> None:
         _require(
             (self.noise_multiplier is None) != (self.target_epsilon is None),
@@ -109,10 +114,15 @@ class PrivacyConfig:
         )
         if self.noise_multiplier is not None:
             _require(
-                _is_real(self.noise_multiplier) and self.noise_multiplier > 0,
-                f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier!r} "
-                "(a run without noise is not private; give target_epsilon to have σ calibrated; only "
-                "`fed-dp audit` takes 0, to audit a run without noise)",
+                _is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
+                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r} "
+                "(0: the explicit non-private baseline, no noise at all; give target_epsilon to have σ calibrated)",
+            )
+            _require(
+                self.noise_multiplier > 0 or self.epsilon_budget is None,
+                f"epsilon_budget = {self.epsilon_budget!r} with noise_multiplier = 0: a run without noise has no "
+                "privacy (ε is infinite), so no budget can hold; remove epsilon_budget for a non-private baseline, "
+                "or give noise_multiplier > 0",
             )
         else:
             _require(

@@ -46,10 +46,12 @@ class RecordKey:
 RECORD_KEYS: tuple[RecordKey, ...] = (
     RecordKey("round", "t: the t-th release, 1 … T; 0 is the initial model's evaluation, before any release", PUBLIC),
     RecordKey("epsilon", "user-level ε spent after round t at δ (0 at round 0); \"not private\" for the noiseless "
-              "baselines", PUBLIC),
+              "baselines and runs with noise_multiplier = 0", PUBLIC),
     RecordKey("delta", "δ of the accounting", PUBLIC),
     RecordKey("update_norm", "‖θ_t − θ_{t−1}‖ of the server step (post-processing of the noised release)", PUBLIC,
               "every released round"),
+    RecordKey("non_private", "true: this run adds no noise (noise_multiplier = 0), it has no privacy", PUBLIC,
+              "every record of a run with noise_multiplier = 0"),
     RecordKey("clip_norm", "ζ_t, the clip norm broadcast in round t", PUBLIC, "adaptive clipping"),
     RecordKey("next_clip_norm", "ζ_{t+1}, from the noised clip-bit sum (Andrew et al. 2021)", PUBLIC,
               "adaptive clipping"),

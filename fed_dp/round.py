@@ -34,7 +34,7 @@ from fed_dp.context import in_simulation, reported_epsilon
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.diagnostics import alignment_ratio
 from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
-from fed_dp.noise import Privatizer, make_privatizer
+from fed_dp.noise import NoNoise, Privatizer, make_privatizer
 from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
 from fed_dp.randomness import derive_seed
 from fed_dp.sampling import Sampler, make_sampler
@@ -52,7 +52,7 @@ class ServerState:
     optimizer: ServerOptimizer
     params: torch.Tensor
     opt_state: OptimizerState
-    privatizer: Privatizer
+    privatizer: Privatizer | NoNoise  # NoNoise: the non-private baseline (noise_multiplier = 0)
     sampler: Sampler
     ledger: PrivacyLedger
     round: int = 0
@@ -306,6 +306,8 @@ def finish_round(
     public.update(diagnostics)  # post-processing of the noised release
     public.update(epsilon=reported_epsilon(record.epsilon, optimizer.private), delta=config.delta,
                   update_norm=float(torch.linalg.vector_norm(step)))
+    if config.non_private:
+        public["non_private"] = True
     counts["cohort_size"] = plan.cohort.numel()
     if in_simulation():  # reads the un-noised sum: never computed outside simulations
         counts["alignment_ratio"] = alignment_ratio(total, counted, plan.clip_norm) if counted else math.nan

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,6 +138,8 @@ def initial_record(state: ServerState, evaluation: dict[str, float]) -> dict[str
     """The record of round 0: the initial model's evaluation, before any release (ε 0, as Flower's
     ``evaluate(0, ...)`` before round 1)."""
     record = {"round": 0, "epsilon": reported_epsilon(0.0, state.optimizer.private), "delta": state.config.delta}
+    if state.config.non_private:
+        record.update(epsilon=reported_epsilon(math.inf, False), non_private=True)
     return {**record, **evaluation}
 
 
@@ -173,6 +176,9 @@ def run_rounds(
         raise ValueError(f"rounds must be in 1..{state.config.rounds} (the rounds the privacy plan accounts for), "
                          f"got {rounds}")
     phase = on_phase if on_phase is not None else (lambda name, index: None)
+    if state.config.non_private:
+        log.warning("noise_multiplier = 0: this run adds NO noise and has NO privacy (epsilon is infinite); it is a "
+                    "non-private baseline, and every record and result is labelled non_private")
     simulated = in_simulation()
     records: list[dict[str, Any]] = []
 

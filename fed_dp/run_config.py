@@ -109,7 +109,7 @@ KEYS: tuple[Key, ...] = (
     Key("privacy", "expected-cohort", int, 10, "B: expected users per round, the fixed denominator"),
     Key("privacy", "rounds", int, 5, "T: server rounds the accounting plans for"),
     Key("privacy", "noise-multiplier", float, None, "σ: noise std on the sum of clipped updates / ζ (1.0 when "
-        "neither σ nor target-epsilon is given; 0 only in fed-dp audit)", unset=-1.0),
+        "neither σ nor target-epsilon is given; 0: a non-private baseline, no noise, ε infinite)", unset=-1.0),
     Key("privacy", "target-epsilon", float, None, "calibrate σ with dp_accounting so that the whole run has "
         "this user-level ε at delta", unset=0.0),
     Key("privacy", "clip-norm", float, 1.0, "ζ: L2 bound of one user's whole update"),

@@ -127,6 +127,8 @@ def _summary_row(name: str, records: list[dict[str, Any]], seconds: float) -> di
         "eval_loss": last_eval.get("eval_loss", math.nan),
         "seconds": round(seconds, 2),
     }
+    if final.get("non_private"):
+        row["non_private"] = True
     row.update({k: v for k, v in last_eval.items() if k.startswith("group") and k.endswith("_accuracy")})
     return row
 
@@ -208,8 +210,12 @@ def run_experiment(
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
     # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
     schedule = epsilon_schedule(privacy).epsilons
-    log(f"user-level epsilon after {privacy.rounds} rounds: {schedule[-1]:.4f} "
-        f"({privacy.accountant}, delta = {privacy.delta:g})")
+    if privacy.non_private:
+        log("WARNING: privacy.noise-multiplier = 0: a NON-PRIVATE baseline, no noise is added and epsilon is "
+            "infinite; every result is labelled non-private")
+    else:
+        log(f"user-level epsilon after {privacy.rounds} rounds: {schedule[-1]:.4f} "
+            f"({privacy.accountant}, delta = {privacy.delta:g})")
     log(f"users train: {base.client.training} on {resolve_device(base.client.device)}"
         + (f", chunks of {base.client.chunk_size} users" if base.client.chunk_size else ""))
     rows = []
