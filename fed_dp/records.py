@@ -52,6 +52,9 @@ RECORD_KEYS: tuple[RecordKey, ...] = (
               "every released round"),
     RecordKey("non_private", "true: this run adds no noise (noise_multiplier = 0), it has no privacy", PUBLIC,
               "every record of a run with noise_multiplier = 0"),
+    RecordKey("noised_average_norm", "‖(Σ_t + w_t)/B‖, the norm of the released noised average update (read by "
+              "the clip-norm hint, fed_dp.clip_hint)", PUBLIC,
+              "fixed clip norm, independent noise, no scale-then-privatize or moment estimation; σ > 0"),
     RecordKey("clip_norm", "ζ_t, the clip norm broadcast in round t", PUBLIC, "adaptive clipping"),
     RecordKey("next_clip_norm", "ζ_{t+1}, from the noised clip-bit sum (Andrew et al. 2021)", PUBLIC,
               "adaptive clipping"),
@@ -94,5 +97,6 @@ def markdown_table() -> str:
     lines = ["| key | meaning | part | present |", "|---|---|---|---|"]
     for entry in RECORD_KEYS:
         key = f"`{entry.name}`" if entry.part == PUBLIC else f"`{entry.name}` (`{entry.record_name}` in a simulation)"
-        lines.append(f"| {key} | {entry.meaning} | {entry.part} | {entry.when} |")
+        meaning = entry.meaning.replace("|", "\\|")  # |S_t| inside a table cell
+        lines.append(f"| {key} | {meaning} | {entry.part} | {entry.when} |")
     return "\n".join(lines)

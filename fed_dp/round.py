@@ -308,6 +308,8 @@ def finish_round(
                   update_norm=float(torch.linalg.vector_norm(step)))
     if config.non_private:
         public["non_private"] = True
+    elif state.clipper is None and plan.scale is None and not plan.send_squares and config.noise == "independent":
+        public["noised_average_norm"] = float(torch.linalg.vector_norm(average))  # released: the clip hint reads it
     counts["cohort_size"] = plan.cohort.numel()
     if in_simulation():  # reads the un-noised sum: never computed outside simulations
         counts["alignment_ratio"] = alignment_ratio(total, counted, plan.clip_norm) if counted else math.nan

@@ -49,6 +49,7 @@ from fed_dp.accounting import BudgetExceededError
 from fed_dp.atomic import write_atomically
 from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published, operator_log_file, read_diagnostics,
                                read_published, resume_with_secret, save_checkpoint)
+from fed_dp.clip_hint import ClipHint
 from fed_dp.context import in_simulation, reported_epsilon
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round
@@ -221,6 +222,9 @@ def run_rounds(
         operator_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         private_log.addHandler(operator_log)
     stopped, empty = None, 0
+    config = state.config
+    hint = ClipHint(state.params.numel(), config.noise_multiplier * config.clip_norm / config.expected_cohort,
+                    config.clip_norm) if not config.non_private else None
     try:
         while state.round < rounds:
             started = time.perf_counter()
@@ -261,6 +265,10 @@ def run_rounds(
                     "Fix the nodes and start the run again with the same checkpoint folder to resume")
             publish(metrics)
             phase("published", plan.round + 1)
+            if hint is not None and "noised_average_norm" in metrics:
+                advice = hint.observe(metrics["noised_average_norm"])
+                if advice is not None:
+                    log.warning("%s", advice)
     finally:
         if operator_log is not None:
             private_log.removeHandler(operator_log)

@@ -44,6 +44,7 @@ def test_every_key_a_run_writes_is_documented_and_the_always_present_ones_are_th
 def test_the_table_lists_every_key_once_with_its_part():
     table = markdown_table().splitlines()
     assert len(table) == 2 + len(RECORD_KEYS)
+    assert all(line.replace("\\|", "").count("|") == 5 for line in table)  # four cells: |S_t| is escaped
     assert len({entry.name for entry in RECORD_KEYS}) == len(RECORD_KEYS)
     assert "| `train_loss` (`nonprivate_train_loss` in a simulation) |" in markdown_table()
 
