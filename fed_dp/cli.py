@@ -167,6 +167,10 @@ class _Progress:
 
 
 def _run_epsilon(args: argparse.Namespace) -> None:
+    if args.noise_multiplier == 0:
+        raise ValueError("noise_multiplier (--noise-multiplier) = 0 adds no noise: its ε is infinite and there is "
+                         "nothing to account. Give the σ of a private run (σ = 0 is for a non-private baseline in "
+                         "fed-dp simulate)")
     config = _config(args, args.noise_multiplier)
     if config.rounds >= LONG_ROUNDS:
         print(f"fed-dp epsilon: accounting {config.rounds:,} rounds with {config.accountant} can take minutes"
