@@ -170,7 +170,8 @@ KEYS: tuple[Key, ...] = (
     Key("run", "seed", int, None, "seeds the model and local training, and in fed-dp simulate the sampler and noise "
         "too (a reproducible research run); a Flower run sends it to every client, so its sampler and noise come "
         "from FED_DP_SERVER_SEED in the server's environment, else OS entropy; unset: OS entropy", unset=-1),
-    Key("run", "eval-every", int, 1, "evaluate the model every k rounds and after the last (0: never)"),
+    Key("run", "eval-every", int, 1, "evaluate the initial model (round 0), every round t with t % k == 0 and "
+        "the last (0: never)"),
 )
 
 # --- sections ------------------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
         assert not {"cohort_size", "replied_users", "dropped"} & set(record)  # published: no counts
     for counts in read_diagnostics(out):  # the operator's secret diagnostics
         assert counts["replied_users"] == counts["cohort_size"] and not counts["dropped"]
-    for record in records:
-        assert f"epsilon {record['epsilon']:.4f}" in log
+    for record in records[1:]:  # every released round's ε is logged (round 0 released nothing)
+        assert f"round {record['round']}/3: epsilon {record['epsilon']:.4f}" in log
     flower_params = load_checkpoint(out)["state"]["params"]
 
     task = build_task(run.task)
@@ -86,7 +86,8 @@ def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
     task = build_task(RunConfig.from_flat(config).task)
     local = LocalTraining(epochs=1, batch_size=4, lr=0.05)
     for path, tolerance in (("auto", {"rtol": 1e-5, "atol": 1e-6}), ("vectorized", {"rtol": 1e-4, "atol": 1e-5})):
-        engine = train(task, privacy, "dp-fedavg", local, seed=11, training=path, device="cpu")
+        engine = train(task, privacy, "dp-fedavg", local, seed=11, training=path, device="cpu",
+                       eval_every=0)  # as the Flower run (run.eval-every = 0): no round-0 evaluation record
         assert [r["nonprivate_cohort_size"] for r in engine.records] == [c["cohort_size"] for c in read_diagnostics(out)]
         assert [r["epsilon"] for r in engine.records] == [r["epsilon"] for r in records]
         torch.testing.assert_close(flower_params, engine.params, **tolerance)
