@@ -55,6 +55,8 @@ RECORD_KEYS: tuple[RecordKey, ...] = (
     RecordKey("noised_average_norm", "‖(Σ_t + w_t)/B‖, the norm of the released noised average update (read by "
               "the clip-norm hint, fed_dp.clip_hint)", PUBLIC,
               "fixed clip norm, independent noise, no scale-then-privatize or moment estimation; σ > 0"),
+    RecordKey("processes", "processes that trained the round's users (torchrun)", PUBLIC,
+              "in-process runs under torchrun with several processes"),
     RecordKey("clip_norm", "ζ_t, the clip norm broadcast in round t", PUBLIC, "adaptive clipping"),
     RecordKey("next_clip_norm", "ζ_{t+1}, from the noised clip-bit sum (Andrew et al. 2021)", PUBLIC,
               "adaptive clipping"),
