@@ -47,7 +47,8 @@ def test_tls_deployment_three_supernodes_trains_and_reports_epsilon(tmp_path, ne
     assert sorted(logged) == [1, 2, 3], f"the ServerApp did not log ε every round:\n{result.output[-3000:]}"
     counts = read_diagnostics(checkpoint_dir)
     assert [c["cohort_size"] for c in counts] == [len(c) for c in uninterrupted_cohorts(overrides)]
-    for t, (record, count) in enumerate(zip(records, counts, strict=True), start=1):
+    assert 0.0 <= records[0]["eval_accuracy"] <= 1.0  # round 0: the initial model, evaluated before round 1
+    for t, (record, count) in enumerate(zip(records[1:], counts, strict=True), start=1):
         assert logged[t] == pytest.approx(record["epsilon"], abs=5e-5)
         assert count["dropped"] == [] and count["replied_users"] == count["cohort_size"]
         assert not {"cohort_size", "replied_users", "dropped"} & set(record)
