@@ -227,7 +227,7 @@ def train_message(plan: RoundPlan, node_id: int, users: Sequence[int], params: M
     if plan.scale is not None:
         content[SCALE] = ArrayRecord(torch_state_dict=OrderedDict(scale=plan.scale.detach().cpu()))
     return Message(content=RecordDict(content), dst_node_id=node_id, message_type=MessageType.TRAIN,
-                   group_id=str(plan.round))
+                   group_id=str(plan.round + 1))  # Flower's server_round: rounds 1 … T
 
 
 def parse_train_request(msg: Message) -> TrainRequest:

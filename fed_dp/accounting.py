@@ -109,6 +109,8 @@ def epsilon(config: PrivacyConfig, rounds: int | None = None) -> float:
     second whatever the round count (building the sampled-Gaussian PLD dominates), and a comparison of
     several optimizers asks for the same values once per optimizer.
     """
+    if config.noise_multiplier == 0:  # the non-private baseline: no noise, no privacy
+        return math.inf
     accountant = make_accountant(config)
     accountant.compose(dp_event(config, rounds))
     return float(accountant.get_epsilon(config.delta))
@@ -300,6 +302,8 @@ def compute_epsilon_schedule(config: PrivacyConfig, progress: Progress | None = 
     """
     config.require_resolved("the ε schedule")
     rounds = config.rounds
+    if config.noise_multiplier == 0:  # the non-private baseline: ε is infinite after every round
+        return EpsilonSchedule(config.accountant, config.delta, (math.inf,) * rounds, tuple(range(1, rounds + 1)))
     if config.accountant == "rdp":
         values = _rdp_epsilons(config, range(1, rounds + 1), progress)
         return EpsilonSchedule("rdp", config.delta, tuple(values), tuple(range(1, rounds + 1)))
@@ -638,7 +642,7 @@ def _is_exact_round(schedule: EpsilonSchedule, rounds: int) -> bool:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """One released round: its index (0-based) and ε after it (no cohort size: it is computed from the
+    """One released round: its number t (1 … T, the t-th release) and ε after it (no cohort size: it is computed from the
     population, outside the accounted release, and is not part of what the ledger publishes)."""
 
     round: int
@@ -705,7 +709,7 @@ class PrivacyLedger:
 
     def record_round(self) -> RoundRecord:
         """Account for one released round (after ``check_next_round`` passed) and return its record."""
-        record = RoundRecord(self.rounds, self.check_next_round())
+        record = RoundRecord(self.rounds + 1, self.check_next_round())
         self._records.append(record)
         return record
 
@@ -725,8 +729,8 @@ class PrivacyLedger:
         """
         config = PrivacyConfig(**data["config"])
         records = tuple(RoundRecord(**r) for r in data["records"])
-        if [r.round for r in records] != list(range(len(records))):
-            raise ValueError("ledger records must be the consecutive rounds 0, 1, ...; this checkpoint is damaged")
+        if [r.round for r in records] != list(range(1, len(records) + 1)):
+            raise ValueError("ledger records must be the consecutive rounds 1, 2, ...; this checkpoint is damaged")
         if len(records) > config.rounds:
             raise ValueError(f"ledger checkpoint holds {len(records)} rounds but the configuration plans {config.rounds}")
         if records:

@@ -62,7 +62,11 @@ def update_noise_multiplier(noise_multiplier: float, bit_noise_std: float) -> fl
 
 
 def check_compatible(privacy: PrivacyConfig, adaptive: AdaptiveClipConfig) -> float:
-    """Validate the pair and return σ_Δ. BandMF and BLT are refused (their noise scale must not change)."""
+    """Validate the pair and return σ_Δ. BandMF and BLT are refused (their noise scale must not change), and so is
+    the non-private baseline (noise_multiplier = 0: there is no noise to split with the clip bits)."""
+    if privacy.noise_multiplier == 0:
+        raise ValueError("adaptive clipping needs noise_multiplier > 0 (it splits the noise between the update and "
+                         "the clip bits); the non-private baseline (noise_multiplier = 0) takes a fixed clip_norm")
     if privacy.noise != "independent":
         raise ValueError(
             f"adaptive clipping changes the noise scale every round, which breaks BandMF's correlated "

@@ -2,6 +2,8 @@
 
     <folder>/checkpoint.json            the commit record: which round is saved, and its two files
     <folder>/checkpoint-<round>.pt      publishable: model, optimizer state, ε ledger, ζ_t, engine records
+                                        (<round>: t, the rounds released, 000001 after the first)
+    <folder>/published.json             the last round handed out (t) and its record as published
     <folder>/secret/                    mode 0700, files mode 0600: never publish or send anywhere
         noise-<round>.pt                the noise stream (source state, BandMF buffer), the sampler (every
                                         cohort), the clip-bit noise; whoever holds it can remove the noise;
@@ -22,6 +24,9 @@ No lost or damaged file can make a run start afresh and spend the budget again: 
 each part's SHA-256, checked on load (a damaged, truncated or missing part is an error naming the file); files
 of a committed round without ``checkpoint.json`` refuse to start. When a run starts it removes the temporary
 files (``<name>.<random>.tmp``) that writes interrupted by a crash left.
+
+Rounds are numbered t = 1 … T everywhere (file names, records, the ledger, ``published.json``); checkpoints of
+version 3, whose records and ledger counted from 0, are refused with a message saying so (:data:`OLDER_VERSIONS`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,10 @@ SECRET_FOLDER = "secret"
 DIAGNOSTICS_NAME = "diagnostics.jsonl"
 OPERATOR_LOG_NAME = "operator.log"
 FORMAT = "fed-dp/server-checkpoint"
-VERSION = 3  # 3: checkpoint.json records each part's SHA-256
+VERSION = 4  # 3: checkpoint.json records each part's SHA-256; 4: records and the ledger number rounds 1 … T
+#: Versions this fed-dp refuses with their own reason (they are fed-dp checkpoints, not other files).
+OLDER_VERSIONS = {3: "its records, published.json and ledger number rounds from 0, this version numbers them "
+                     "1 … T (round t is the t-th release)"}
 RESULTS_NAME = "results.json"
 
 
@@ -125,11 +133,20 @@ def _commit(folder: Path) -> dict[str, Any] | None:
         commit = json.loads(path.read_text())
     except json.JSONDecodeError:
         commit = None
+    if isinstance(commit, dict) and commit.get("format") == FORMAT and commit.get("version") in OLDER_VERSIONS:
+        raise ValueError(_older(path, commit["version"]))
     if not isinstance(commit, dict) or commit.get("format") != FORMAT or commit.get("version") != VERSION \
             or not isinstance(commit.get("sha256"), dict):
         raise ValueError(f"{path} is not a fed-dp checkpoint record of version {VERSION}; move the folder away "
                          "to start afresh")
     return commit
+
+
+def _older(path: Path, version: int) -> str:
+    """Why a checkpoint of an older fed-dp is not resumed, and what to do."""
+    return (f"{path} was written by an older fed-dp (checkpoint version {version}): {OLDER_VERSIONS[version]}, so "
+            f"it cannot resume it. Finish that run with the fed-dp version that started it; start afresh in another "
+            "folder only if none of its rounds was ever published (starting afresh spends the privacy budget again)")
 
 
 def _load(folder: Path, commit: dict[str, Any], part: str) -> dict[str, Any]:

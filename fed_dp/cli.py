@@ -178,6 +178,10 @@ def _warn_unamplified_blt(command: str, config: PrivacyConfig) -> None:
 
 
 def _run_epsilon(args: argparse.Namespace) -> None:
+    if args.noise_multiplier == 0:
+        raise ValueError("noise_multiplier (--noise-multiplier) = 0 adds no noise: its ε is infinite and there is "
+                         "nothing to account. Give the σ of a private run (σ = 0 is for a non-private baseline in "
+                         "fed-dp simulate)")
     config = _config(args, args.noise_multiplier)
     _warn_unamplified_blt("epsilon", config)
     if config.rounds >= LONG_ROUNDS:

@@ -73,7 +73,8 @@ class PrivacyConfig:
     delta: float = setting(help="δ of (ε, δ); choose below 1/N", config_default=1e-5)
     num_users: int | None = setting(None, help="N; unset: the task's number of users (if set, it must equal it)")
     noise_multiplier: float | None = setting(None, help="σ: noise std on the sum of clipped updates / ζ (1.0 when "
-                                             "neither σ nor target-epsilon is given; 0 only in fed-dp audit)")
+                                             "neither σ nor target-epsilon is given; 0: a non-private baseline, no noise, ε "
+                                             "infinite)")
     target_epsilon: float | None = setting(None, help="calibrate σ with dp_accounting so that the whole run has "
                                            "this user-level ε at delta")
     clip_norm: float = setting(1.0, help="ζ: L2 bound of one user's whole update")
@@ -107,6 +108,11 @@ class PrivacyConfig:
                 f"expected_cohort (B = {self.expected_cohort}) must be <= num_users (N = {self.num_users})",
             )
 
+    @property
+    def non_private(self) -> bool:
+        """True for the explicit non-private baseline (noise_multiplier = 0): no noise, ε infinite."""
+        return self.noise_multiplier == 0
+
     def _validate_privacy_parameters(self) -> None:
         _require(
             (self.noise_multiplier is None) != (self.target_epsilon is None),
@@ -115,10 +121,15 @@ class PrivacyConfig:
         )
         if self.noise_multiplier is not None:
             _require(
-                _is_real(self.noise_multiplier) and self.noise_multiplier > 0,
-                f"noise_multiplier must be a finite number > 0, got {self.noise_multiplier!r} "
-                "(a run without noise is not private; give target_epsilon to have σ calibrated; only "
-                "`fed-dp audit` takes 0, to audit a run without noise)",
+                _is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
+                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r} "
+                "(0: the explicit non-private baseline, no noise at all; give target_epsilon to have σ calibrated)",
+            )
+            _require(
+                self.noise_multiplier > 0 or self.epsilon_budget is None,
+                f"epsilon_budget = {self.epsilon_budget!r} with noise_multiplier = 0: a run without noise has no "
+                "privacy (ε is infinite), so no budget can hold; remove epsilon_budget for a non-private baseline, "
+                "or give noise_multiplier > 0",
             )
         else:
             _require(

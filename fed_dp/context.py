@@ -8,6 +8,7 @@ constructed in a deployment.
 from __future__ import annotations
 
 import contextlib
+import math
 import contextvars
 from collections.abc import Iterator
 
@@ -41,5 +42,6 @@ NOT_PRIVATE = "not private"
 
 
 def reported_epsilon(epsilon: float, private: bool) -> float | str:
-    """ε as results should show it: the number for private runs, ``"not private"`` otherwise (never a number)."""
-    return epsilon if private else NOT_PRIVATE
+    """ε as results should show it: the number for private runs, ``"not private"`` for the noiseless optimizers
+    and for an infinite ε (``noise_multiplier = 0``): never a number, and never JSON's non-standard Infinity."""
+    return epsilon if private and math.isfinite(epsilon) else NOT_PRIVATE

@@ -28,7 +28,11 @@ class Contribution:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """What round t broadcasts: the cohort (user ids), θ_{t−1}, s_t (STP) and whether users send squares."""
+    """What round t broadcasts: the cohort (user ids), θ_{t−1}, s_t (STP) and whether users send squares.
+
+    ``round`` is t − 1, the number of rounds released before this one: the index that messages carry and
+    local-training seeds derive from. Everything shown to people numbers rounds t = 1 … T (records, logs,
+    errors, Flower's ``server_round``); round 0 is the initial model, before any release."""
 
     round: int
     cohort: torch.Tensor

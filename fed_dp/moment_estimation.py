@@ -25,7 +25,7 @@ import math
 import torch
 
 from fed_dp.config import PrivacyConfig
-from fed_dp.noise import Privatizer, make_strategy
+from fed_dp.noise import NoNoise, Privatizer, make_strategy
 from fed_dp.sampling import NeighboringRelation, neighboring_relation
 from fed_dp.validation import check_positive as _check_positive
 
@@ -104,12 +104,14 @@ def joint_privatizer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     source: str = "torch",
-) -> Privatizer:
+) -> Privatizer | NoNoise:
     """The privatizer of the joint query: dimension 2d, noise std σ·Δ with Δ for the config's adjacency.
 
     Privatize ``stack_query(Σu, Σu², α)`` with it, then ``split_query``; the accounting is the config's
     usual one Gaussian with multiplier σ per round.
     """
+    if config.non_private:  # the explicit non-private baseline: the joint query without noise
+        return NoNoise(2 * dim, device=device, dtype=dtype)
     std, _ = noise_stds(config.noise_multiplier, config.clip_norm, alpha, neighboring_relation(config), dim)
     return Privatizer(make_strategy(config), noise_std=std, dim=2 * dim, seed=seed, device=device, dtype=dtype,
                       source=source)

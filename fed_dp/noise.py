@@ -277,6 +277,50 @@ def make_strategy(config: PrivacyConfig, cache_dir: str | None = None) -> Strate
     return optimize_toeplitz(config.rounds, config.bands, momentum=config.workload_momentum, cache_dir=cache_dir)
 
 
+class NoNoise:
+    """The privatizer of the explicit non-private baseline (``noise_multiplier = 0``): w_t = 0, and no noise is
+    drawn at all (no source, no seed). Only :func:`make_privatizer` builds it, and only for a config whose
+    ``non_private`` is true, so a σ of 0 can never reach a run by accident; ε is then infinite and every output
+    says so (``fed_dp.context.reported_epsilon``). Same interface as :class:`Privatizer` for the round."""
+
+    strategy = None
+    noise_std = 0.0
+    seeded_explicitly = False
+    buffer = None
+    horizon = None
+
+    def __init__(self, dim: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if not (isinstance(dim, int) and dim >= 1):
+            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        self.dim, self.device, self.dtype = dim, torch.device(device), dtype
+        self.index = 0
+
+    def next_noise(self, noise_std: float | None = None) -> torch.Tensor:
+        """w_t = 0 (a d-vector of zeros); advances the step."""
+        self.index += 1
+        return torch.zeros(self.dim, device=self.device, dtype=self.dtype)
+
+    def privatize(self, total: torch.Tensor, noise_std: float | None = None) -> torch.Tensor:
+        """Σ_t itself (a new tensor): nothing is added."""
+        if total.shape != (self.dim,):
+            raise ValueError(f"sum of updates has shape {tuple(total.shape)}, expected ({self.dim},)")
+        self.index += 1
+        return total.to(self.device, self.dtype).clone()
+
+    def noise_variance(self, t: int | None = None) -> float:
+        return 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "strategy": "none (non-private: noise_multiplier = 0)", "noise_std": 0.0,
+                "dim": self.dim, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("noise_std") != 0.0 or state.get("dim") != self.dim:
+            raise ValueError("this privatizer state is not that of a non-private run of the same dimension; "
+                             "a noise stream can only be resumed by the same mechanism")
+        self.index = int(state["index"])
+
+
 def make_privatizer(
     config: PrivacyConfig,
     dim: int,
@@ -286,8 +330,8 @@ def make_privatizer(
     dtype: torch.dtype = torch.float32,
     strategy: Strategy | None = None,
     source: str = "torch",
-) -> Privatizer:
-    """The privatizer of ``config`` with noise std σζ on the sum (strategy built if not given); ``source``:
+) -> Privatizer | NoNoise:
+    """The privatizer of ``config`` with noise std σζ (:class:`NoNoise` for ``noise_multiplier = 0``) on the sum (strategy built if not given); ``source``:
     the noise source (``fed_dp.randomness``).
 
     A given BandMF strategy must match the config's T and b (any column-normalized b-banded C has the
@@ -295,6 +339,8 @@ def make_privatizer(
     accounting uses that strategy's sensitivity, so noise from another BLT would not be the ε reported.
     """
     config.require_resolved("the privatizer")
+    if config.non_private:  # the explicit non-private baseline: no noise drawn at all
+        return NoNoise(dim, device=device, dtype=dtype)
     if strategy is None:
         strategy = make_strategy(config)
     elif config.noise == "independent":

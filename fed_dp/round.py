@@ -34,7 +34,7 @@ from fed_dp.context import in_simulation, reported_epsilon
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.diagnostics import alignment_ratio
 from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
-from fed_dp.noise import Privatizer, make_privatizer
+from fed_dp.noise import NoNoise, Privatizer, make_privatizer
 from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
 from fed_dp.randomness import derive_seed
 from fed_dp.sampling import Sampler, make_sampler
@@ -52,7 +52,7 @@ class ServerState:
     optimizer: ServerOptimizer
     params: torch.Tensor
     opt_state: OptimizerState
-    privatizer: Privatizer
+    privatizer: Privatizer | NoNoise  # NoNoise: the non-private baseline (noise_multiplier = 0)
     sampler: Sampler
     ledger: PrivacyLedger
     round: int = 0
@@ -258,7 +258,7 @@ def finish_round(
 ) -> tuple[ServerState, dict[str, Any]]:
     """Noise, average over B, step the optimizer, account. Returns the new state and the round's metrics.
 
-    The metrics are what may be published — round, ε, δ, the update norm, the optimizer's diagnostics of ν̂
+    The metrics are what may be published — round (t = 1 … T), ε, δ, the update norm, the optimizer's diagnostics of ν̂
     (post-processing), adaptive clipping's ζ_t and ζ_{t+1} — plus, under ``"nonprivate"``, exact counts that
     are computed from users' data outside any accounted mechanism: ``cohort_size`` (|S_t|), ``replied_users``,
     ``reclipped_replies``, ``unclipped_users`` and, in simulations, ``alignment_ratio``. Engines keep those
@@ -297,7 +297,7 @@ def finish_round(
     )
     step, opt_state, diagnostics = optimizer.update(release, state.opt_state, state.params)
     record = state.ledger.record_round()
-    public: dict[str, Any] = {"round": plan.round}
+    public: dict[str, Any] = {"round": plan.round + 1}  # the t-th release: rounds are numbered 1 … T
     if state.clipper is not None:  # ζ_t is broadcast; ζ_{t+1} comes from the noised bit sum
         public["clip_norm"] = plan.clip_norm
         public["next_clip_norm"] = state.clipper.step(counts["unclipped_users"], counted)
@@ -306,6 +306,10 @@ def finish_round(
     public.update(diagnostics)  # post-processing of the noised release
     public.update(epsilon=reported_epsilon(record.epsilon, optimizer.private), delta=config.delta,
                   update_norm=float(torch.linalg.vector_norm(step)))
+    if config.non_private:
+        public["non_private"] = True
+    elif state.clipper is None and plan.scale is None and not plan.send_squares and config.noise == "independent":
+        public["noised_average_norm"] = float(torch.linalg.vector_norm(average))  # released: the clip hint reads it
     counts["cohort_size"] = plan.cohort.numel()
     if in_simulation():  # reads the un-noised sum: never computed outside simulations
         counts["alignment_ratio"] = alignment_ratio(total, counted, plan.clip_norm) if counted else math.nan

@@ -1,7 +1,8 @@
 """The one round loop: every engine — the Flower Strategy and the in-process simulator — runs its rounds here.
 
     resume from the checkpoint folder (if it holds a committed checkpoint)
-    for each remaining round t:
+    a fresh run evaluates the initial model: the record of round 0 (ε 0, nothing released yet)
+    for each remaining round t = 1 … T (round t is the t-th release):
         plan            = begin_round(state)        # refuses a round over the ε budget (the run then ends)
         replies         = exchange(plan)            # Flower messages, or local training in this process
         state, metrics  = finish_round(state, plan, replies.contributions)
@@ -11,7 +12,7 @@
                          evaluated, logged or handed to the caller)
         stop with NoRepliesError after ``max_empty_rounds`` rounds in a row in which users were sampled but
             none was counted: the budget is not spent on noise alone
-        evaluate every ``eval_every`` rounds and after the last; mark the round published in published.json
+        evaluate when t % eval_every == 0 and after the last round; mark the round published in published.json
             with its evaluated record (atomic); then log ε and hand the record to ``on_round``
         (a resumed run publishes a round committed but not marked published, evaluating it again from the
          committed state, and restores the evaluation of the round marked last: across a crash at any
@@ -27,6 +28,7 @@ failed, and the round's duration (it grows with the cohort: about 10 ms per user
 which node missed the deadline). It goes to the operator's ``secret/diagnostics.jsonl`` in the checkpoint
 folder, in every engine; a simulation (``fed_dp.context.simulation()``) also keeps it in the records it
 returns, under names starting ``nonprivate_``, and in the checkpoint's secret part, never in a published file.
+Every key of a record, public or secret, with when it is present: ``fed_dp.records.RECORD_KEYS``.
 
 The engines differ only in ``exchange`` (how the plan reaches users and their contributions come back) and in
 ``evaluate``; all DP math is in ``fed_dp.round``.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -49,7 +52,8 @@ from fed_dp.accounting import BudgetExceededError
 from fed_dp.atomic import write_atomically
 from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published, operator_log_file, read_diagnostics,
                                read_published, resume_with_secret, save_checkpoint)
-from fed_dp.context import in_simulation
+from fed_dp.clip_hint import ClipHint
+from fed_dp.context import in_simulation, reported_epsilon
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 from fed_dp.round import ServerState, begin_round, finish_round
 from fed_dp.run_config import RUN_DEFAULTS, SERVER_DEFAULTS
@@ -62,7 +66,7 @@ private_log = logging.getLogger("fed_dp.private")
 private_log.propagate = False
 private_log.addHandler(logging.NullHandler())
 
-#: The phase boundaries of a round, in order, at which ``run_rounds`` calls ``on_phase(phase, round_index)``.
+#: The phase boundaries of a round, in order, at which ``run_rounds`` calls ``on_phase(phase, t)`` (t = 1 … T).
 PHASES = ("sampled", "replied", "aggregated", "saved", "evaluated", "published")
 
 
@@ -179,8 +183,18 @@ def _restore_diagnostics(folder: str | Path, last: dict[str, Any] | None) -> Non
         append_diagnostics(folder, last)
 
 
-def _evaluate_now(round_index: int, rounds: int, eval_every: int) -> bool:
-    return eval_every > 0 and ((round_index + 1) % eval_every == 0 or round_index + 1 == rounds)
+def _evaluate_now(round_number: int, rounds: int, eval_every: int) -> bool:
+    """Whether round t (1 … ``rounds``) is evaluated: t a multiple of ``eval_every``, or the last round."""
+    return eval_every > 0 and (round_number % eval_every == 0 or round_number == rounds)
+
+
+def initial_record(state: ServerState, evaluation: dict[str, float]) -> dict[str, Any]:
+    """The record of round 0: the initial model's evaluation, before any release (ε 0, as Flower's
+    ``evaluate(0, ...)`` before round 1)."""
+    record = {"round": 0, "epsilon": reported_epsilon(0.0, state.optimizer.private), "delta": state.config.delta}
+    if state.config.non_private:
+        record.update(epsilon=reported_epsilon(math.inf, False), non_private=True)
+    return {**record, **evaluation}
 
 
 def _format_epsilon(value: Any) -> str:
@@ -215,10 +229,13 @@ def run_rounds(
     exchange_aggregates: bool = False,
 ) -> LoopResult:
     """Run rounds until ``rounds`` (default: the planned T) have been released, the budget refuses one, or
-    replies stop coming. Returns the final state, one record per released round and why it stopped early.
+    replies stop coming. Returns the final state, one record per released round (``"round"``: t = 1 … T) and
+    why it stopped early; with ``evaluate`` and ``eval_every > 0`` a fresh run's records start with round 0, the
+    evaluation of the initial model (:func:`initial_record`).
 
-    ``evaluate(rounds_done, params)`` gets the flat θ after a round (every ``eval_every`` rounds and after the
-    last); ``on_round(record)`` is called after each round (progress bars); ``on_phase(phase, round_index)``
+    ``evaluate(t, params)`` gets the flat θ after round t: t = 0 (the initial model, in a fresh run), t a
+    multiple of ``eval_every`` and the last round; ``on_round(record)`` is called after each released round
+    (progress bars; not for round 0); ``on_phase(phase, t)``
     at each boundary of :data:`PHASES` (instrumentation, fault injection). Raises :class:`NoRepliesError`
     (after saving the checkpoint, so the run can be resumed) when ``max_empty_rounds`` rounds in a row
     sampled users but counted none.
@@ -232,6 +249,9 @@ def run_rounds(
         raise ValueError(f"rounds must be in 1..{state.config.rounds} (the rounds the privacy plan accounts for), "
                          f"got {rounds}")
     phase = on_phase if on_phase is not None else (lambda name, index: None)
+    if state.config.non_private:
+        log.warning("noise_multiplier = 0: this run adds NO noise and has NO privacy (epsilon is infinite); it is a "
+                    "non-private baseline, and every record and result is labelled non_private")
     simulated = in_simulation()
     records: list[dict[str, Any]] = []
 
@@ -244,7 +264,7 @@ def run_rounds(
         phase("evaluated", record["round"])
         if checkpoint_dir:
             mark_published(checkpoint_dir, public_record(record))
-        log.info("round %d/%d: epsilon %s, delta %g", record["round"] + 1, rounds, _format_epsilon(record["epsilon"]),
+        log.info("round %d/%d: epsilon %s, delta %g", record["round"], rounds, _format_epsilon(record["epsilon"]),
                  record["delta"])
         if on_round is not None:
             on_round(record)
@@ -264,12 +284,19 @@ def run_rounds(
                 records[-1].update(published["record"])  # its evaluation, done after its commit
             elif records:
                 publish(records[-1])  # committed just before a crash, never marked published: evaluated, handed out
+    if state.round == 0 and evaluate is not None and eval_every > 0:  # a fresh run: the initial model first
+        evaluation = evaluate(0, state.params)
+        if evaluation:  # an evaluation that returns nothing (a task without one) leaves no record
+            records.append(initial_record(state, evaluation))
     operator_log = None
     if checkpoint_dir and not simulated:
         operator_log = logging.FileHandler(operator_log_file(checkpoint_dir), encoding="utf-8")
         operator_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         private_log.addHandler(operator_log)
     stopped, empty = None, 0
+    config = state.config
+    hint = ClipHint(state.params.numel(), config.noise_multiplier * config.clip_norm / config.expected_cohort,
+                    config.clip_norm) if not config.non_private else None
     try:
         while state.round < rounds:
             started = time.perf_counter()
@@ -279,18 +306,18 @@ def run_rounds(
                 log.error("fed-dp stopped before round %d: %s", state.round + 1, refusal)
                 stopped = str(refusal)
                 break
-            phase("sampled", plan.round)
+            phase("sampled", plan.round + 1)
             finished: list[tuple[RoundReplies, ServerState, dict[str, Any]]] = []
             aggregate = _aggregate_once(state, plan, finished)
             replies = _exchange_or_stop(
                 (lambda: exchange(plan, aggregate)) if exchange_aggregates else (lambda: exchange(plan)),
                 state, records, checkpoint_dir)
-            phase("replied", plan.round)
+            phase("replied", plan.round + 1)
             if not finished:
                 aggregate(replies)
             replies, state, metrics = finished[0]
             nonprivate = {**metrics.pop("nonprivate"), **replies.nonprivate}
-            phase("aggregated", plan.round)
+            phase("aggregated", plan.round + 1)
             # sampling, exchange, server round: it grows with the cohort, so it is the operator's, not published
             nonprivate["round_seconds"] = time.perf_counter() - started
             metrics.update(replies.metrics)
@@ -298,12 +325,12 @@ def run_rounds(
                 metrics.update({f"{NONPRIVATE}{key}": value for key, value in nonprivate.items()})
             records.append(metrics)
             if checkpoint_dir:
-                diagnostics = {"round": plan.round, **nonprivate}
+                diagnostics = {"round": metrics["round"], **nonprivate}
                 save_checkpoint(state, checkpoint_dir, extra={"records": [public_record(r) for r in records]},
                                 secret_extra={"records": [nonprivate_part(r) for r in records],
                                               "diagnostics": diagnostics})
                 append_diagnostics(checkpoint_dir, diagnostics)
-            phase("saved", plan.round)
+            phase("saved", plan.round + 1)
             for problem in nonprivate.get("dropped", []):
                 private_log.warning("round %d: %s", plan.round + 1, problem)
             sampled = nonprivate["cohort_size"] > 0
@@ -315,7 +342,11 @@ def run_rounds(
                     f"{_format_epsilon(metrics['epsilon'])}). {_why_no_replies(nonprivate, checkpoint_dir, simulated)}. "
                     "Fix the nodes and start the run again with the same checkpoint folder to resume")
             publish(metrics)
-            phase("published", plan.round)
+            phase("published", plan.round + 1)
+            if hint is not None and "noised_average_norm" in metrics:
+                advice = hint.observe(metrics["noised_average_norm"])
+                if advice is not None:
+                    log.warning("%s", advice)
     finally:
         if operator_log is not None:
             private_log.removeHandler(operator_log)

@@ -218,7 +218,8 @@ class RunSettings:
                                "and noise too (a reproducible research run); a Flower run sends it to every client, "
                                "so its sampler and noise come from FED_DP_SERVER_SEED in the server's environment, "
                                "else OS entropy; unset: OS entropy")
-    eval_every: int = setting(1, help="evaluate the model every k rounds and after the last (0: never)")
+    eval_every: int = setting(1, help="evaluate the initial model (round 0), every round t with t % k == 0 "
+                                                "and the last (0: never)")
 
     def __post_init__(self) -> None:
         _check(self.seed is None or (_integer(self.seed) and self.seed >= 0),

@@ -50,7 +50,6 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +60,6 @@ from torch import nn
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
-from fed_dp.checkpoint import COMMIT_NAME
 from fed_dp.clients import protocol
 from fed_dp.clients.evaluation import evaluate_params
 from fed_dp.clients.task import Task
@@ -458,11 +456,6 @@ class UserLevelDP(Strategy):
         self._ensure_users(grid, timeout)
         result, aggregated = DPResult(), {}
         config = ConfigRecord() if train_config is None else train_config  # one record for all rounds, as Flower's
-        resuming = self.checkpoint_dir and Path(self.checkpoint_dir, COMMIT_NAME).exists()
-        if evaluate_fn is not None and self.eval_every and self.state.round == 0 and not resuming:
-            initial = evaluate_fn(0, self.arrays(self.state.params))
-            if initial is not None:
-                result.evaluate_metrics_serverapp[0] = initial
 
         def exchange(plan: RoundPlan, aggregate: Aggregate) -> RoundReplies:
             """configure_train → send and receive → aggregate_train, as Flower's Strategy.start; ``aggregate`` is
@@ -512,7 +505,8 @@ class UserLevelDP(Strategy):
         final = loop.records[-1] if loop.records else {}
         result.arrays = self.arrays(self.state.params)
         # rounds aggregated by this call: what aggregate_train returned (Flower's convention); resumed ones: their record
-        result.train_metrics_clientapp = {**{int(r["round"]) + 1: _numeric(r) for r in loop.records}, **aggregated}
+        result.train_metrics_clientapp = {**{int(r["round"]): _numeric(r) for r in loop.records if r["round"] > 0},
+                                          **aggregated}
         result.epsilon = final.get("epsilon", 0.0)
         result.delta, result.privacy = self.state.config.delta, self.state.config
         result.records, result.stopped = loop.records, loop.stopped

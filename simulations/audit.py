@@ -28,8 +28,8 @@ their updates then enter the noisy sums with a law the test cannot know, so it i
 they hide much of the canaries (μ̂ 0.33 against 0.76 without training: they add to the scores' spread and
 partly undo the canaries' displacement; README).
 
-``privacy.noise-multiplier = 0`` is accepted here only: the run adds no noise and its accounted ε is
-infinite. ``noise_scale`` (``--noise-scale``, a self-test) adds that multiple of the configured noise while the
+``privacy.noise-multiplier = 0`` (the non-private baseline, as in ``fed-dp simulate``): the run adds no noise
+and its accounted ε is infinite. ``noise_scale`` (``--noise-scale``, a self-test) adds that multiple of the configured noise while the
 accounting keeps the configured σ: a deliberately broken mechanism that the audit must flag (0.25: four times
 too little noise), never for training.
 """

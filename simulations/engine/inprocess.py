@@ -2,7 +2,7 @@
 
     result = fed_dp.train(task, PrivacyConfig(expected_cohort=10, rounds=100, target_epsilon=3.0, delta=1e-5),
                           optimizer="dp-adambc", local=LocalTraining(batch_size=16, lr=0.1), seed=0)
-    print(result.epsilon, result.records[-1])
+    print(result.epsilon, result.records[-1])   # the last round's record; fed_dp.records lists every key
 
 It runs the one round loop of every engine (``fed_dp.round_loop.run_rounds``: budget, checkpoints,
 stop conditions, evaluation) with one difference from a Flower run: the plan reaches the users by a function
@@ -20,7 +20,6 @@ Users train on ``device``; the server round stays on the CPU, and only θ_{t−1
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
@@ -44,6 +42,7 @@ from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
 from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS
+from fed_dp.simulations.engine.progress import RoundProgress
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
 __all__ = ["TrainResult", "train"]
@@ -71,13 +70,12 @@ def _on_cpu(contribution: Contribution) -> Contribution:
 
 
 def _progress(rounds: int, on_round: Callable[[dict[str, Any]], None] | None):
-    bar = tqdm(total=rounds, desc="rounds", leave=False)
+    """A progress display of the rounds (a bar on a terminal, plain lines in a log) and the ``on_round`` that
+    feeds it, then calls the caller's."""
+    bar = RoundProgress(rounds)
 
     def step(record: dict[str, Any]) -> None:
-        eps = record["epsilon"]
-        loss = record.get("nonprivate_train_loss", math.nan)
-        bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}", loss=f"{loss:.3f}")
-        bar.update(1)
+        bar.update(record)
         if on_round is not None:
             on_round(record)
 
@@ -115,22 +113,26 @@ def train(
     training_seed: seeds only the model's initialization and the users' local training (default: ``seed``); the
         sampler and the noise still come from ``seed``. ``fed-dp simulate`` without ``run.seed`` writes this seed
         to its results and keeps ``seed`` (the cohorts and the noise) in memory only.
-    eval_every: evaluate with ``task.evaluate`` every k rounds and after the last (0: never).
+    eval_every: evaluate with ``task.evaluate`` the initial model (round 0), every round t with t % k == 0 and the
+        last round (0: never).
     device / training / chunk_size: where and how users train (``LocalTrainer``).
     checkpoint_dir: save every round there and resume from it.
     on_round: called with every round's record; ``progress``: show a progress bar.
     noise_source: ``"torch"`` (seeded: reproducible) or ``"secure"`` (AES-CTR from OS entropy; needs seed=None).
     on_phase: called at each phase boundary of a round (``fed_dp.round_loop.PHASES``).
 
+    Records: one per released round t = 1 … T (``"round": t``), preceded, when the task evaluates, by the record
+    of round 0 (the initial model's evaluation, ε 0). Public keys: ``round``, ``epsilon``, ``delta``,
+    ``update_norm``, the optimizer's diagnostics, ``clip_norm`` / ``next_clip_norm`` (adaptive clipping) and the
+    evaluation's metrics. What is computed from users' data outside the mechanism is kept under keys prefixed
+    ``nonprivate_``: ``nonprivate_cohort_size``, ``nonprivate_train_loss``, ``nonprivate_fraction_clipped``,
+    ``nonprivate_mean_update_norm``, ``nonprivate_round_seconds`` and the others of ``fed_dp.records.RECORD_KEYS``
+    (the table of every key); they stay in memory and in the checkpoint's secret part, and ``results.json`` and
+    the public checkpoint never hold them.
     A user whose examples fail to load or whose training raises stops the run with
     ``fed_dp.round_loop.TrainingStopped``, naming the round and the user, before that round is released; the
     model after the last released round is the error's ``result`` (a TrainResult) and, with ``checkpoint_dir``,
     committed there.
-
-    Records hold the round, ε, δ, the cohort, training diagnostics (``train_loss``, ``fraction_clipped``, the
-    path that ran as ``vectorized``, all prefixed ``nonprivate_``), the optimizer's diagnostics,
-    ``nonprivate_round_seconds`` and evaluation metrics. Keys starting ``nonprivate_`` (counts, losses, durations) stay in memory and in the checkpoint's
-    secret part: ``results.json`` and the public checkpoint never hold them.
     """
     if not isinstance(task, Task):
         raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")

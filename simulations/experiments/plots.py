@@ -22,15 +22,20 @@ Results = dict[str, list[dict[str, Any]]]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    points = [(r["round"] + 1, r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    points = [(r["round"], r[key]) for r in records if isinstance(r.get(key), (int, float))]  # 0: initial model
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def _label(name: str, records: list[dict[str, Any]]) -> str:
+    """The legend entry of a run: its name, marked when it is the non-private baseline (noise_multiplier = 0)."""
+    return f"{name} (NON-PRIVATE)" if any(r.get("non_private") for r in records) else name
 
 
 def plot_metrics(results: Results, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, records in results.items():
         for ax, key in zip(axes[:2], ("eval_accuracy", "eval_loss")):
-            ax.plot(*_series(records, key), marker=".", label=name)
+            ax.plot(*_series(records, key), marker=".", label=_label(name, records))
         eps = [(r["epsilon"], r["eval_accuracy"]) for r in records
                if isinstance(r.get("epsilon"), float) and "eval_accuracy" in r]
         if eps:
@@ -41,6 +46,8 @@ def plot_metrics(results: Results, path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if any(r.get("non_private") for records in results.values() for r in records):
+        fig.suptitle("NON-PRIVATE baseline included (noise_multiplier = 0: no noise, ε infinite)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from fed_dp.accounting import epsilon_schedule, resolve_privacy
 from fed_dp.clients.task import Task, build_task
@@ -38,6 +37,7 @@ from fed_dp.randomness import entropy_seed
 from fed_dp.round_loop import TrainingStopped
 from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides
 from fed_dp.simulations.engine.inprocess import train
+from fed_dp.simulations.engine.progress import RoundProgress
 
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
            "read_results", "run_experiment"]
@@ -125,11 +125,13 @@ def _summary_row(name: str, records: list[dict[str, Any]], seconds: float) -> di
         "optimizer": name,
         "epsilon": final["epsilon"],
         "delta": final["delta"],
-        "rounds": len(records),
+        "rounds": sum(1 for r in records if r["round"] > 0),  # released rounds (round 0: the initial model)
         "eval_accuracy": last_eval.get("eval_accuracy", math.nan),
         "eval_loss": last_eval.get("eval_loss", math.nan),
         "seconds": round(seconds, 2),
     }
+    if final.get("non_private"):
+        row["non_private"] = True
     row.update({k: v for k, v in last_eval.items() if k.startswith("group") and k.endswith("_accuracy")})
     return row
 
@@ -211,19 +213,21 @@ def run_experiment(
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
     # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
     schedule = epsilon_schedule(privacy).epsilons
-    log(f"user-level epsilon after {privacy.rounds} rounds: {schedule[-1]:.4f} "
-        f"({privacy.accountant}, delta = {privacy.delta:g})")
+    if privacy.non_private:
+        log("WARNING: privacy.noise-multiplier = 0: a NON-PRIVATE baseline, no noise is added and epsilon is "
+            "infinite; every result is labelled non-private")
+    else:
+        log(f"user-level epsilon after {privacy.rounds} rounds: {schedule[-1]:.4f} "
+            f"({privacy.accountant}, delta = {privacy.delta:g})")
     log(f"users train: {base.client.training} on {resolve_device(base.client.device)}"
         + (f", chunks of {base.client.chunk_size} users" if base.client.chunk_size else ""))
     rows = []
     for name, run in experiment.runs.items():
-        bar = tqdm(total=privacy.rounds, desc=f"{name:>14}", disable=not progress, leave=True)
+        bar = RoundProgress(privacy.rounds, f"{name:>14}", leave=True) if progress else None
 
         def on_round(record: dict[str, Any]) -> None:
-            eps = record["epsilon"]
-            bar.set_postfix(eps=eps if isinstance(eps, str) else f"{eps:.2f}",
-                            loss=f"{record['nonprivate_train_loss']:.3f}")
-            bar.update(1)
+            if bar is not None:
+                bar.update(record)
 
         start = time.perf_counter()
         try:
@@ -241,7 +245,8 @@ def run_experiment(
                 stop.saved = _save_model(out, name, stop.result.model)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         if write:
             _write_rounds(out, name, result.records)
         rows.append(_summary_row(name, result.records, time.perf_counter() - start))

@@ -344,7 +344,7 @@ def test_ledger_epsilon_equals_dp_accounting_after_each_round(accountant):
     for t in range(1, cfg.rounds + 1):
         record = ledger.record_round()
         expected = direct_epsilon(poisson_event(0.01, 1.5, t), accountant, 1e-5)
-        assert record.round == t - 1
+        assert record.round == t  # the t-th release (rounds are numbered 1 … T)
         assert record.epsilon == pytest.approx(expected, rel=REL)
         assert ledger.epsilon == record.epsilon
         assert ledger.epsilon > previous  # monotone

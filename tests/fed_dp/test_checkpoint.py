@@ -154,3 +154,16 @@ def test_stale_temporary_files_are_removed_when_a_run_starts(tmp_path):
         path.write_bytes(b"partial")
     assert resume(fresh, tmp_path) == {} and fresh.round == 2
     assert not any(path.exists() for path in stale) and kept.exists()
+
+
+def test_a_checkpoint_of_the_version_that_numbered_rounds_from_0_is_refused_saying_why(tmp_path):
+    """Version 3 numbered the records and the ledger from 0; resuming it would mix the two numberings, so it is
+    refused with the reason and what to do, never read as a foreign file or started afresh."""
+    state = init_server(CONFIG, make_optimizer("dp-sgd"), torch.zeros(DIM), seed=1)
+    state, _ = _round(state)
+    save_checkpoint(state, tmp_path)
+    commit = json.loads((tmp_path / COMMIT_NAME).read_text())
+    (tmp_path / COMMIT_NAME).write_text(json.dumps({**commit, "version": 3}))
+    with pytest.raises(ValueError, match=r"older fed-dp \(checkpoint version 3\).*number rounds from 0.*1 … T.*"
+                                         r"Finish that run with the fed-dp version that started it"):
+        load_checkpoint(tmp_path)

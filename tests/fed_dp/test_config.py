@@ -21,7 +21,9 @@ def make(**changes) -> PrivacyConfig:
         ({"num_users": 0}, "num_users"),
         ({"expected_cohort": 2000}, "expected_cohort"),
         ({"rounds": 1.5}, "rounds"),
-        ({"noise_multiplier": 0.0}, "noise_multiplier"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),  # 0 is the non-private baseline (test_non_private)
+        ({"noise_multiplier": float("inf")}, "noise_multiplier"),
+        ({"noise_multiplier": 0.0, "epsilon_budget": 4.0}, "no privacy"),
         ({"noise_multiplier": float("nan")}, "noise_multiplier"),
         ({"clip_norm": -1.0}, "clip_norm"),
         ({"delta": 0.0}, "delta"),

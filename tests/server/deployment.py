@@ -117,8 +117,8 @@ def logged_rounds(output: str, rounds: int) -> dict[int, float]:
 
 def assert_ledger_is_uninterrupted(records: list[dict[str, Any]], config: PrivacyConfig, checkpoint_dir: Path) -> None:
     """ε after every round is exactly dp_accounting's ε of t rounds, in results.json and in the checkpoint."""
-    assert [r["round"] for r in records] == list(range(config.rounds))
-    assert [r["epsilon"] for r in records] == [epsilon(config, t + 1) for t in range(config.rounds)]
+    assert [r["round"] for r in records] == list(range(config.rounds + 1))  # 0: the initial model's evaluation
+    assert [r["epsilon"] for r in records] == [0.0] + [epsilon(config, t) for t in range(1, config.rounds + 1)]
     ledger = load_checkpoint(checkpoint_dir)["state"]["ledger"]
     assert PrivacyConfig(**ledger["config"]) == config
     assert [r["epsilon"] for r in ledger["records"]] == [epsilon(config, t + 1) for t in range(config.rounds)]

@@ -35,7 +35,7 @@ from fed_dp.simulations.engine.inprocess import train
 
 PRIVACY = PrivacyConfig(expected_cohort=10, rounds=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
 LOCAL = LocalTraining(batch_size=2, lr=0.5)
-KILLED_ROUND = 1  # the second round: a checkpoint of round 1 exists, and a round follows
+KILLED_ROUND = 2  # the second round (rounds are numbered 1 … T): a checkpoint of round 1 exists, and a round follows
 
 CHILD = textwrap.dedent('''
     import os, signal, sys
@@ -73,20 +73,20 @@ def test_a_kill_at_each_phase_boundary_resumes_to_the_uninterrupted_run(phase, t
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     saved = load_checkpoint(folder)["state"]["round"]
-    assert saved == (KILLED_ROUND + 1 if phase in ("saved", "evaluated", "published") else KILLED_ROUND)  # commit
+    assert saved == (KILLED_ROUND if phase in ("saved", "evaluated", "published") else KILLED_ROUND - 1)  # commit
 
     released = []
     resumed = train(heavy_tail_task(), PRIVACY, "dp-adam", LOCAL, seed=4, checkpoint_dir=str(folder),
                     on_round=lambda record: released.append(record["round"]))
     before = [int(line) for line in log.read_text().split()]
-    assert before + released == list(range(PRIVACY.rounds))  # every round released once, across the crash
+    assert before + released == list(range(1, PRIVACY.rounds + 1))  # every round released once, across the crash
     assert torch.equal(resumed.params, uninterrupted.params)  # same cohorts, noise and local training
-    assert [r["round"] for r in resumed.records] == list(range(PRIVACY.rounds))  # each round once in the results
+    assert [r["round"] for r in resumed.records] == list(range(PRIVACY.rounds + 1))  # round 0 (initial), each once
     assert [r["epsilon"] for r in resumed.records] == [r["epsilon"] for r in uninterrupted.records]
     ledger = load_checkpoint(folder)["state"]["ledger"]["records"]
-    assert [r["round"] for r in ledger] == list(range(PRIVACY.rounds))  # each round counted once
+    assert [r["round"] for r in ledger] == list(range(1, PRIVACY.rounds + 1))  # each round counted once
     results = json.loads((folder / "results.json").read_text())
-    assert [r["round"] for r in results] == list(range(PRIVACY.rounds))
+    assert [r["round"] for r in results] == list(range(PRIVACY.rounds + 1))
 
 
 # --- in process: a kill at every phase boundary and inside every atomic write, comparing the records --------------
@@ -162,8 +162,9 @@ def test_a_kill_anywhere_resumes_to_the_same_records_each_round_published_once(t
     writes = _atomic_writes(monkeypatch)
     straight = _tiny_run(tmp_path / "straight", released)
     expected = _published_files(tmp_path / "straight")
-    assert released == [0, 1, 2] and all("eval_accuracy" in r for r in straight.records)
-    points = [("phase", (name, t)) for t in range(3) for name in PHASES] + \
+    assert released == [1, 2, 3] and all("eval_accuracy" in r for r in straight.records)
+    assert [r["round"] for r in straight.records] == [0, 1, 2, 3]  # 0: the initial model's evaluation
+    points = [("phase", (name, t)) for t in (1, 2, 3) for name in PHASES] + \
         [("write", (k, when)) for k in range(1, len(writes) + 1) for when in ("before rename", "after rename")]
     for number, (kind, where) in enumerate(points):
         folder, copy = tmp_path / f"run{number}", tmp_path / f"kill{number}"
@@ -186,7 +187,7 @@ def test_a_kill_anywhere_resumes_to_the_same_records_each_round_published_once(t
         unreleased = json.loads((copy / "published.json").read_text())["round"] if marked else None
         after: list[int] = []
         resumed = _tiny_run(copy, after)
-        assert before + after == [t for t in range(3) if t != unreleased], (kind, where)
+        assert before + after == [t for t in (1, 2, 3) if t != unreleased], (kind, where)
         assert _untimed(resumed.records) == _untimed(straight.records), (kind, where)
         assert _published_files(copy) == expected, (kind, where)
         assert torch.equal(resumed.params, straight.params), (kind, where)

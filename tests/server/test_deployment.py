@@ -40,14 +40,15 @@ def test_tls_deployment_three_supernodes_trains_and_reports_epsilon(tmp_path, ne
 
     assert_completed(result, d)
     records = read_results(checkpoint_dir)
-    assert len(records) == 3
+    assert [r["round"] for r in records] == [0, 1, 2, 3]  # 0: the initial model's evaluation
     assert records[-1]["epsilon"] == epsilon(config, 3)
     assert_ledger_is_uninterrupted(records, config, checkpoint_dir)
     logged = logged_rounds(result.output, 3)
     assert sorted(logged) == [1, 2, 3], f"the ServerApp did not log ε every round:\n{result.output[-3000:]}"
     counts = read_diagnostics(checkpoint_dir)
     assert [c["cohort_size"] for c in counts] == [len(c) for c in uninterrupted_cohorts(overrides)]
-    for t, (record, count) in enumerate(zip(records, counts, strict=True), start=1):
+    assert 0.0 <= records[0]["eval_accuracy"] <= 1.0  # round 0: the initial model, evaluated before round 1
+    for t, (record, count) in enumerate(zip(records[1:], counts, strict=True), start=1):
         assert logged[t] == pytest.approx(record["epsilon"], abs=5e-5)
         assert count["dropped"] == [] and count["replied_users"] == count["cohort_size"]
         assert not {"cohort_size", "replied_users", "dropped"} & set(record)

@@ -45,14 +45,15 @@ def test_two_nodes_hosting_20_users_each_train_with_poisson_sampling(tmp_path):
     run = RunConfig.from_flat(config)
     privacy = _privacy(config)
     assert privacy.sampler == "poisson" and privacy.num_users == 40 and privacy.accountant == "pld"
-    assert [r["round"] for r in records] == [0, 1, 2]
-    for t, record in enumerate(records):
-        assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1), rel=1e-12)
+    assert [r["round"] for r in records] == [0, 1, 2, 3]  # 0: the initial model's evaluation (Flower's evaluate(0))
+    assert records[0]["epsilon"] == 0.0
+    for record in records[1:]:
+        assert record["epsilon"] == pytest.approx(epsilon(privacy, record["round"]), rel=1e-12)
         assert not {"cohort_size", "replied_users", "dropped"} & set(record)  # published: no counts
     for counts in read_diagnostics(out):  # the operator's secret diagnostics
         assert counts["replied_users"] == counts["cohort_size"] and not counts["dropped"]
-    for record in records:
-        assert f"epsilon {record['epsilon']:.4f}" in log
+    for record in records[1:]:  # every released round's ε is logged (round 0 released nothing)
+        assert f"round {record['round']}/3: epsilon {record['epsilon']:.4f}" in log
     flower_params = load_checkpoint(out)["state"]["params"]
 
     task = build_task(run.task)
@@ -85,7 +86,8 @@ def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
     task = build_task(RunConfig.from_flat(config).task)
     local = LocalTraining(epochs=1, batch_size=4, lr=0.05)
     for path, tolerance in (("auto", {"rtol": 1e-5, "atol": 1e-6}), ("vectorized", {"rtol": 1e-4, "atol": 1e-5})):
-        engine = train(task, privacy, "dp-fedavg", local, seed=11, training=path, device="cpu")
+        engine = train(task, privacy, "dp-fedavg", local, seed=11, training=path, device="cpu",
+                       eval_every=0)  # as the Flower run (run.eval-every = 0): no round-0 evaluation record
         assert [r["nonprivate_cohort_size"] for r in engine.records] == [c["cohort_size"] for c in read_diagnostics(out)]
         assert [r["epsilon"] for r in engine.records] == [r["epsilon"] for r in records]
         torch.testing.assert_close(flower_params, engine.params, **tolerance)
@@ -155,7 +157,7 @@ def test_a_round_over_the_epsilon_budget_is_refused_and_the_run_ends_cleanly(tmp
     log = flower_run.run(tmp_path / "home", config, supernodes=2)
     assert f"fed-dp stopped before round {allowed + 1}" in log and "above the budget" in log
     records = _results(out)
-    assert len(records) == allowed and records[-1]["epsilon"] <= 3.5
+    assert [r["round"] for r in records] == list(range(allowed + 1)) and records[-1]["epsilon"] <= 3.5
     assert load_checkpoint(out)["state"]["round"] == allowed
 
 
@@ -167,9 +169,10 @@ def test_adaptive_clipping_bits_travel_through_flower(tmp_path):
     records = _results(out)
     privacy = _privacy(config)
     counts = read_diagnostics(out)
-    assert len(records) == 3 and all(c["replied_users"] == c["cohort_size"] for c in counts)
-    assert records[0]["clip_norm"] == privacy.clip_norm
-    assert [r["clip_norm"] for r in records[1:]] == [r["next_clip_norm"] for r in records[:-1]]
+    assert [r["round"] for r in records] == [0, 1, 2, 3] and all(c["replied_users"] == c["cohort_size"] for c in counts)
+    released = records[1:]  # records[0]: the initial model's evaluation, before any clip norm is used
+    assert released[0]["clip_norm"] == privacy.clip_norm
+    assert [r["clip_norm"] for r in released[1:]] == [r["next_clip_norm"] for r in released[:-1]]
     assert all(0 <= c["unclipped_users"] <= c["replied_users"] for c in counts)
     assert records[-1]["epsilon"] == pytest.approx(epsilon(privacy, 3))
 
@@ -193,8 +196,9 @@ def test_a_text_task_from_local_files_runs_through_flower(tmp_path):
     records = _results(out)
     run = RunConfig.from_flat(config)
     privacy = resolve_privacy(run.privacy, 4)
-    assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in (1, 2)]
-    assert "eval_perplexity" in records[-1]
+    assert [r["round"] for r in records] == [0, 1, 2]  # 0: the initial model's evaluation
+    assert [r["epsilon"] for r in records[1:]] == [epsilon(privacy, t) for t in (1, 2)]
+    assert "eval_perplexity" in records[0] and "eval_perplexity" in records[-1]
     engine = train(build_task(run.task), privacy, run.optimizer.build(), run.local, seed=3, device="cpu")
     torch.testing.assert_close(load_checkpoint(out)["state"]["params"], engine.params, rtol=1e-5, atol=1e-6)
 

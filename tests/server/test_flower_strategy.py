@@ -150,11 +150,13 @@ def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_
     grid = honest_grid()
     result = strategy.start(grid, model_arrays(model), evaluate_fn=None)
     engine = train(TASK, PRIVACY, "dp-adam", LOCAL, seed=7, device="cpu")
+    assert [r["round"] for r in engine.records] == [0, 1, 2, 3]  # the engine evaluated the initial model (round 0)
+    assert [r["round"] for r in result.records] == [1, 2, 3]  # evaluate_fn=None: no evaluation, no round 0
     assert [r["epsilon"] for r in result.records] == [epsilon(PRIVACY, t) for t in (1, 2, 3)] == \
-        [r["epsilon"] for r in engine.records]
+        [r["epsilon"] for r in engine.records[1:]]
     assert result.epsilon == epsilon(PRIVACY, 3) and result.delta == 1e-5 and result.stopped is None
     counts = read_diagnostics(tmp_path)  # the operator's (secret) diagnostics: nothing of it is in the records
-    assert [c["cohort_size"] for c in counts] == [r["nonprivate_cohort_size"] for r in engine.records]
+    assert [c["cohort_size"] for c in counts] == [r["nonprivate_cohort_size"] for r in engine.records[1:]]
     assert all(c["replied_users"] == c["cohort_size"] and not c["dropped"] for c in counts)
     published = {key for record in result.records for key in record}
     assert not published & {"cohort_size", "replied_users", "unclipped_users", "reclipped_replies", "dropped",
@@ -168,6 +170,19 @@ def test_the_strategy_trains_like_the_in_process_engine_with_the_same_seeds(tmp_
     assert len(queries) == 2  # each node is asked once which users it hosts
 
 
+def test_the_strategy_evaluates_the_initial_model_at_round_0_and_numbers_rounds_from_1():
+    """Flower's convention: evaluate_fn(0, initial model) before round 1, then rounds 1 … T; the engine's
+    records agree (round 0 the initial evaluation, ε 0), and Flower's per-round metrics use the same numbers."""
+    model = initial_model(TASK, 7)[0]
+    result = UserLevelDP(PRIVACY, "dp-adam", seed=7, evaluate_every=2).start(
+        honest_grid(), model_arrays(model), evaluate_fn=centralized_evaluation(TASK))
+    assert [r["round"] for r in result.records] == [0, 1, 2, 3]
+    assert result.records[0]["epsilon"] == 0.0 and "eval_accuracy" in result.records[0]
+    assert ["eval_accuracy" in r for r in result.records] == [True, False, True, True]  # 0, t % 2 == 0, last
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 2, 3]
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+
+
 def test_blt_noise_through_the_strategy_trains_like_the_engine_and_resumes(tmp_path, monkeypatch):
     """noise = "blt" through the Flower Strategy: same model and ε as the engine, and a run stopped after
     round 2 resumes from its checkpoint (BLT buffers, generator, ledger) to the same final model."""
@@ -177,7 +192,7 @@ def test_blt_noise_through_the_strategy_trains_like_the_engine_and_resumes(tmp_p
     engine = train(TASK, privacy, "dp-adambc", LOCAL, seed=5, device="cpu")
     whole = UserLevelDP(privacy, "dp-adambc", seed=5).start(honest_grid(), model_arrays(model))
     assert [r["epsilon"] for r in whole.records] == [epsilon(privacy, t) for t in range(1, 5)] == \
-        [r["epsilon"] for r in engine.records]
+        [r["epsilon"] for r in engine.records[1:]]  # engine.records[0]: round 0, the initial evaluation
     first = UserLevelDP(privacy, "dp-adambc", seed=5, checkpoint_dir=str(tmp_path / "ckpt"))
     first.start(honest_grid(), model_arrays(model), num_rounds=2)
     resumed = UserLevelDP(privacy, "dp-adambc", seed=5, checkpoint_dir=str(tmp_path / "ckpt"))  # the same noise source

@@ -98,9 +98,9 @@ def test_a_node_that_leaves_and_returns_is_served_again(tmp_path, server_log, re
     grid = InProcessGrid({100: node(FIRST), 101: node(SECOND)})
 
     def churn(record):
-        if record["round"] == 0:
+        if record["round"] == 1:  # after round 1 (rounds are numbered 1 … T)
             del grid.nodes[101]
-        elif record["round"] == 1:
+        elif record["round"] == 2:
             grid.nodes[returning_id] = node(SECOND)
 
     _, result = start(grid, tmp_path, seed=11, on_round=churn)
@@ -131,7 +131,7 @@ def test_a_restarted_node_replaces_its_old_id_before_that_one_times_out(tmp_path
     grid = InProcessGrid({100: node(FIRST, "silo-a"), 101: node(SECOND, "silo-b")})
 
     def restart(record):
-        if record["round"] == 0:
+        if record["round"] == 1:  # after round 1 (rounds are numbered 1 … T)
             grid.nodes[101] = lambda message: None  # the old id: listed, never answers
             grid.nodes[105] = node(SECOND, "silo-b")
 
@@ -180,7 +180,7 @@ def test_too_few_nodes_stop_the_run_without_releasing_a_round_and_it_resumes(tmp
     grid = InProcessGrid({100: node(FIRST), 101: node(SECOND)})
 
     def leave(record):
-        if record["round"] == 0:
+        if record["round"] == 1:  # after round 1 (rounds are numbered 1 … T)
             del grid.nodes[101]
 
     stop = r"only 1 node\(s\).*server.min-nodes.*'users 20-39'.*rounds released so far: 1\).*resume"
@@ -209,7 +209,7 @@ def test_a_new_node_claiming_another_nodes_users_is_not_used(tmp_path, server_lo
     grid = InProcessGrid({100: node(FIRST), 101: node(SECOND)})
 
     def intruder(record):
-        if record["round"] == 0:
+        if record["round"] == 1:  # after round 1 (rounds are numbered 1 … T)
             grid.nodes[107] = node(list(range(15, 25)))
 
     start(grid, tmp_path, seed=11, on_round=intruder)

@@ -136,13 +136,15 @@ def test_the_command_prints_one_json_object_per_threat_model(tmp_path, capsys):
     assert (tmp_path / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_noise_multiplier_zero_only_in_the_audit(capsys):
+def test_noise_multiplier_zero_is_a_labelled_non_private_baseline_and_audits_as_no_noise(capsys, tmp_path):
     sets = ["--set", "privacy.noise-multiplier=0", "--set", "task.dim=100", "--set", "privacy.rounds=1",
             "--set", "privacy.expected-cohort=10", "--set", 'privacy.accountant="rdp"']
     task = ["--task", "fed_dp.simulations.tasks.builtin:heavy_tail_task"]
-    with pytest.raises(SystemExit) as refused:
-        cli_main(["simulate", *task, *sets, "--quiet", "--no-plot"])
-    assert refused.value.code == 2 and "only `fed-dp audit` takes 0" in capsys.readouterr().err
+    # issue 27 item 4: simulate takes σ = 0 too (it refused it before), and labels the run non-private
+    assert cli_main(["simulate", *task, *sets, "--quiet", "--no-plot", "--out", str(tmp_path / "sim")]) == 0
+    assert "not private" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert all(row["non_private"] is True and row["epsilon"] == "not private" for row in summary)
     assert cli_main(["audit", *task, *sets, "--canaries", "100", "--threat-model", "final-model"]) == 0
     printed = capsys.readouterr().out
     assert "no noise" in printed and "inf" in printed and "inconclusive" in printed

@@ -72,7 +72,8 @@ def test_the_example_runs_under_torchrun(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "2 processes: user-level epsilon 3.000" in done.stdout
     saved = torch.load(tmp_path / "digits.pt", weights_only=False)
-    assert len(saved["records"]) == 2 and saved["records"][-1]["epsilon"] <= 3.0
+    assert [r["round"] for r in saved["records"]] == [0, 1, 2]  # 0: the initial model's evaluation
+    assert saved["records"][-1]["epsilon"] <= 3.0
 
 
 def test_one_process_is_not_distributed():
@@ -104,6 +105,9 @@ def test_fed_dp_simulate_under_torchrun_equals_one_process_and_only_rank_0_repor
     for name in ("dp-sgd", "dp-adam-stp"):
         two, one = ([json.loads(line) for line in (tmp_path / run / f"rounds-{name}.jsonl").read_text().splitlines()]
                     for run in ("two", "one"))
+        assert [r["round"] for r in two] == [r["round"] for r in one] == [0, 1, 2, 3]  # 0: the initial evaluation
+        assert ("eval_loss" in two[0]) and two[0]["eval_loss"] == pytest.approx(one[0]["eval_loss"], rel=1e-5)
+        two, one = two[1:], one[1:]  # the released rounds
         assert [r["processes"] for r in two] == [2.0] * 3 and all("processes" not in r for r in one)
         assert [r["epsilon"] for r in two] == [r["epsilon"] for r in one]
         assert [r["nonprivate_cohort_size"] for r in two] == [r["nonprivate_cohort_size"] for r in one]

@@ -57,7 +57,8 @@ def test_noise_of_a_round_with_zero_updates_is_sigma_zeta_over_B():
     moved = (state.params - params0).double()
     expected = 3.0 * 0.5 / 8
     assert abs(moved.std().item() / expected - 1) < 5 / math.sqrt(2 * moved.numel())
-    assert records[0]["epsilon"] == pytest.approx(epsilon(privacy, 1))
+    first = next(r for r in records if r["round"] == 1)  # rounds are numbered 1 … T
+    assert first["epsilon"] == pytest.approx(epsilon(privacy, 1))
 
 
 def test_fedavg_with_negligible_noise_adds_the_clipped_updates_over_B():
@@ -86,17 +87,17 @@ def test_runs_are_reproducible_for_a_seed_and_differ_across_seeds():
     c, _ = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(), seed=2)
     untimed = lambda records: [{k: v for k, v in r.items() if k != "nonprivate_round_seconds"} for r in records]
     assert torch.equal(a.params, b.params) and untimed(ra) == untimed(rb)
-    assert all(r["nonprivate_round_seconds"] > 0 for r in ra)
+    assert all(r["nonprivate_round_seconds"] > 0 for r in ra[1:])  # ra[0]: round 0, the initial evaluation
     assert not torch.equal(a.params, c.params)
 
 
 def test_ledger_and_records_match_dp_accounting_every_round():
     task, privacy = _task(), _privacy(rounds=4)
     _, records = run(task, privacy, make_optimizer("dp-sgd"), LocalTraining(), seed=0, eval_every=2)
-    assert [r["round"] for r in records] == [0, 1, 2, 3]
-    for t, record in enumerate(records):
-        assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1), rel=1e-12)
-    assert "eval_accuracy" in records[1] and "eval_accuracy" not in records[0]
+    assert [r["round"] for r in records] == [0, 1, 2, 3, 4]  # 0: the initial model's evaluation
+    for record in records[1:]:
+        assert record["epsilon"] == pytest.approx(epsilon(privacy, record["round"]), rel=1e-12)
+    assert ["eval_accuracy" in r for r in records] == [True, False, True, False, True]
 
 
 def test_every_optimizer_family_runs_through_the_engine():
@@ -106,7 +107,8 @@ def test_every_optimizer_family_runs_through_the_engine():
     for name in ["dp-sgdm", "dp-adambc", "dp-adamw-bc", "dp-adam-ime", "dp-adam-stp", "dp-adagrad-ime"]:
         _, records = run(task, privacy, make_optimizer(name), LocalTraining(), seed=0)
         assert isinstance(records[-1]["epsilon"], float)
-        assert all(math.isfinite(r["update_norm"]) for r in records)
+        assert [r["round"] for r in records] == [0, 1, 2, 3]  # 0: the initial model's evaluation
+        assert all(math.isfinite(r["update_norm"]) for r in records[1:])
     with simulation():
         baseline = make_optimizer("noiseless-adam")
     _, records = run(task, privacy, baseline, LocalTraining(), seed=0)
@@ -130,7 +132,8 @@ def test_vectorized_engine_run_matches_the_sequential_one():
                                 seed=4, training="sequential")
     vectorized, records_v = run(task, privacy, make_optimizer("dp-adam", lr=0.05), LocalTraining(batch_size=3),
                                 seed=4, training="vectorized")
-    assert {r["nonprivate_vectorized"] for r in records_s} == {0.0} and {r["nonprivate_vectorized"] for r in records_v} == {1.0}
+    assert {r["nonprivate_vectorized"] for r in records_s[1:]} == {0.0}  # [0]: round 0, the initial evaluation
+    assert {r["nonprivate_vectorized"] for r in records_v[1:]} == {1.0}
     torch.testing.assert_close(vectorized.params, sequential.params, rtol=1e-4, atol=1e-5)
     assert [r["epsilon"] for r in records_v] == [r["epsilon"] for r in records_s]
 
@@ -185,7 +188,7 @@ def test_checkpoint_resume_through_the_engine_reaches_the_uninterrupted_model(tm
     assert torch.equal(partial.params, straight.params)
     # a second run with the same folder resumes at the end: nothing more is trained or accounted
     again = train(task, privacy, "dp-adam", LocalTraining(), seed=5, checkpoint_dir=str(tmp_path))
-    assert torch.equal(again.params, straight.params) and len(again.records) == 4
+    assert torch.equal(again.params, straight.params) and [r["round"] for r in again.records] == [0, 1, 2, 3, 4]
 
 
 def test_bad_task_inputs_get_clear_errors():
@@ -217,7 +220,7 @@ def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_che
     task = _task()
     # one user at a time, so that the loss is called once per user and round (vectorized: once per chunk)
     good = train(task, _privacy(rounds=2), "dp-sgd", LocalTraining(), seed=1, training="sequential")
-    limit = sum(r["nonprivate_cohort_size"] for r in good.records) * 1  # batch 16 > 4 examples: one step per user and round
+    limit = sum(r.get("nonprivate_cohort_size", 0) for r in good.records) * 1  # round 0 (initial model): none  # batch 16 > 4 examples: one step per user and round
     bad_task = Task(name="fragile", users=task.users, model=task.model, loss=fragile)
     with pytest.raises(TrainingStopped, match=r"round 3, user \d+: ValueError: .*loss of user \d+ became nan .*round 3") \
             as stopped:
@@ -228,7 +231,7 @@ def test_a_loss_that_turns_nan_mid_run_raises_naming_the_user_and_leaves_the_che
     saved = load_checkpoint(tmp_path)["state"]
     assert saved["round"] == 2 and len(saved["ledger"]["records"]) == 2
     resumed = train(task, _privacy(rounds=4), "dp-sgd", LocalTraining(), seed=1, checkpoint_dir=str(tmp_path))
-    assert [r["round"] for r in resumed.records] == [0, 1, 2, 3]
+    assert [r["round"] for r in resumed.records] == [1, 2, 3, 4]  # the run began without evaluation: no round 0
     assert resumed.epsilon == pytest.approx(epsilon(_privacy(rounds=4), 4))
 
 
@@ -244,7 +247,7 @@ def test_an_in_process_run_publishes_no_count_or_duration_and_keeps_them_secret(
     task, privacy = _task(), _privacy()
     result = train(task, privacy, "dp-adam", LocalTraining(), seed=1, eval_every=0, checkpoint_dir=str(tmp_path))
     for published in (json.loads((tmp_path / "results.json").read_text()), load_checkpoint(tmp_path)["extra"]["records"]):
-        assert [r["round"] for r in published] == list(range(privacy.rounds))
+        assert [r["round"] for r in published] == list(range(1, privacy.rounds + 1))  # eval_every=0: no round 0
         assert not {key for r in published for key in r if key.startswith("nonprivate_") or "seconds" in key}
     diagnostics = read_diagnostics(tmp_path)
     assert [d["cohort_size"] for d in diagnostics] == [r["nonprivate_cohort_size"] for r in result.records]

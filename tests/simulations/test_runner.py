@@ -90,9 +90,9 @@ def test_run_experiment_writes_records_with_fed_dp_epsilon(tmp_path):
     results = read_results(tmp_path)
     privacy = _privacy(config)
     for name, records in results.items():
-        assert [r["round"] for r in records] == [0, 1, 2]
-        for t, record in enumerate(records):
-            assert record["epsilon"] == pytest.approx(epsilon(privacy, t + 1))
+        assert [r["round"] for r in records] == [0, 1, 2, 3]  # 0: the initial model's evaluation
+        for record in records[1:]:
+            assert record["epsilon"] == pytest.approx(epsilon(privacy, record["round"]))
             assert {"group0_accuracy", "group1_accuracy", "eval_loss", "nonprivate_train_loss"} <= set(record)
     assert "nu_hat_median" in results["dp-adambc"][-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -171,7 +171,8 @@ def test_adaptive_clipping_runs_through_the_runner(tmp_path):
     rows = run_experiment(_tiny(["adaptive.enabled=true", "adaptive.target-quantile=0.9", "adaptive.bit-noise-std=1.0"]), tmp_path,
                           progress=False, log=lambda *_: None)
     records = read_results(tmp_path)["dp-sgd"]
-    assert all("next_clip_norm" in r for r in records) and records[0]["clip_norm"] == 1.0
+    assert records[0]["round"] == 0 and "clip_norm" not in records[0]  # the initial model: nothing released
+    assert all("next_clip_norm" in r for r in records[1:]) and records[1]["clip_norm"] == 1.0
     assert rows[0]["epsilon"] == pytest.approx(epsilon(_privacy(_tiny())))
 
 
@@ -185,7 +186,8 @@ def test_blt_noise_runs_through_the_runner_with_calibration(tmp_path, monkeypatc
     privacy = _privacy(_tiny(extra))
     assert privacy.noise == "blt" and privacy.noise_multiplier is not None
     records = read_results(tmp_path / "out")["dp-adambc"]
-    assert [r["epsilon"] for r in records] == [epsilon(privacy, t) for t in range(1, 6)]  # ≤ 10 rounds: all exact
+    assert [r["round"] for r in records] == [0, 1, 2, 3, 4, 5]  # 0: the initial model's evaluation
+    assert [r["epsilon"] for r in records[1:]] == [epsilon(privacy, t) for t in range(1, 6)]  # ≤ 10 rounds: all exact
     assert rows[0]["epsilon"] == pytest.approx(epsilon(privacy)) and epsilon(privacy) <= 4.0
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blt-v2-T5-k2-m4-prefix-sum.json"]
 
@@ -214,7 +216,7 @@ def test_fed_dp_simulate_runs_each_data_config_end_to_end_on_a_fixture(name, tmp
     sets = [arg for item in shrink for arg in ("--set", item)]
     assert main(["simulate", "--config", name, *sets, "--out", str(tmp_path / "out"), "--quiet", "--no-plot"]) == 0
     records = read_results(tmp_path / "out")[config["run"]["optimizers"][-1]]
-    assert len(records) == 2 and "eval_loss" in records[-1]
+    assert [r["round"] for r in records] == [0, 1, 2] and "eval_loss" in records[-1]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["resolved"]["num_users"] >= 2
 
 
@@ -252,7 +254,7 @@ def test_every_server_key_acts_in_fed_dp_simulate_or_is_refused(tmp_path):
                    log=lambda *_: None)
     for name in ("dp-sgd", "dp-adambc"):
         assert json.loads((folder / name / "checkpoint.json").read_text())["round"] == 3
-        assert [r["round"] for r in json.loads((folder / name / "results.json").read_text())] == [0, 1, 2]
+        assert [r["round"] for r in json.loads((folder / name / "results.json").read_text())] == [0, 1, 2, 3]
     for key in ("server.min-nodes=2", "server.reply-timeout=5.0", "server.node-wait=1.0"):
         with pytest.raises(ValueError, match=rf"{key.split('=')[0]} has no effect in fed-dp simulate: .*SuperNodes"):
             parse_experiment(_tiny([key]))
