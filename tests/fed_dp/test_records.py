@@ -2,6 +2,7 @@
 model's evaluation), 1 … T, and results.json holds only the public keys."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,9 @@ def test_the_table_lists_every_key_once_with_its_part():
 def test_a_key_part_other_than_public_or_secret_is_refused():
     with pytest.raises(ValueError, match="part must be 'public' or 'secret'"):
         RecordKey("x", "y", "hidden")
+
+
+def test_the_docs_page_shows_the_generated_table():
+    """docs/reference/records.md holds markdown_table() verbatim: the table of keys is never written by hand."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "records.md").read_text()
+    assert markdown_table() in page
