@@ -32,7 +32,7 @@ bound of ‖Δ_u‖ computed in float64 with a proved error term (:class:`_Squar
 are exact in float64, sums of n nonnegative terms err by γ_n relative, Gram sums — where cancellation can occur —
 by γ·P_u² absolute with P_u = Σ_q ‖x_q‖‖δ_q‖ ≥ ‖G_u‖), the factor comes from ``clip_factors`` and is rounded
 towards 0 into float32, so the exact norm of w_u·G_u is at most ζ; the float32 sums over users are the node's
-sum, whose rounding the README's clipping section bounds.
+sum, whose rounding docs/explanation/floating-point.md bounds.
 
 Results equal the sequential path's (``clients.training.users_contribution``) up to float32 rounding (the tests
 compare them per layer type). What this path cannot train is said once in the log and those users go the usual

@@ -1,4 +1,4 @@
-"""Local training on a user's data and the clipped contribution a node sends (ALGORITHMS §1).
+"""Local training on a user's data and the clipped contribution a node sends (docs/explanation/mechanism.md).
 
 For each sampled user i hosted here:
 

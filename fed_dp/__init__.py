@@ -20,7 +20,7 @@ core is a top-level folder of the repository that installs under another name (p
     fed_dp.clients       clients/       the task interface, losses, local training, the message protocol, the ClientApp
     fed_dp (core)        fed_dp/        DP math on flat tensors, no torch.nn and no Flower (the modules below)
 
-Core modules (ALGORITHMS.md):
+Core modules (docs/explanation/mechanism.md):
     config             PrivacyConfig (sampler, noise and accounting from one object), LocalTraining
     run_config         the one run-configuration schema: every key, its type, default and meaning
     flat               ParamLayout — a model update as one float32 vector and back

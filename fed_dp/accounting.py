@@ -1,4 +1,5 @@
-"""User-level ε with dp_accounting: accountants, calibration of σ, and the per-round ledger (ALGORITHMS §4).
+"""User-level ε with dp_accounting: accountants, calibration of σ, and the per-round ledger (docs/explanation/mechanism.md:
+Samplers and their accounting; Accounting, calibration, budget).
 
 The event always comes from :func:`fed_dp.sampling.dp_event` on the run's
 :class:`~fed_dp.config.PrivacyConfig`; nothing here re-derives an accountant. PLD is the default

@@ -1,4 +1,5 @@
-"""Adaptive clipping to a target quantile of user-update norms (Andrew et al. 2021; ALGORITHMS §4).
+"""Adaptive clipping to a target quantile of user-update norms (Andrew et al. 2021;
+docs/explanation/mechanism.md, Adaptive clipping).
 
 Each sampled user also reports the bit 1[‖Δ_i‖ ≤ ζ_t], computed by the clip from ``fed_dp.clipping.l2_norm``
 (an upper bound within 2.2·10⁻¹¹ of ‖Δ_i‖; float32 reductions would under-estimate large norms and count

@@ -1,4 +1,4 @@
-"""The DP query of one round (ALGORITHMS §1): noisy sum over the FIXED denominator B.
+"""The DP query of one round (docs/explanation/mechanism.md): noisy sum over the FIXED denominator B.
 
     Δ̃_t = (Σ_{i∈S_t} u_i + w_t) / B ,    g̃_t = −Δ̃_t
 
@@ -50,7 +50,7 @@ def average_noise_variance(
     """Φ_t, the per-coordinate noise variance of Δ̃_t (and of g̃_t): Var(w_t)/B², divided by s_t² for STP.
 
     Var(w_t) = (σζ)²·‖row t of C⁻¹‖² comes from the privatizer (default t: its last step). This is what
-    DP-AdamBC subtracts (ALGORITHMS §3.3): (σζ/B)² for independent noise.
+    DP-AdamBC subtracts (docs/explanation/server-optimizers.md): (σζ/B)² for independent noise.
     """
     _check_cohort(expected_cohort)
     variance = privatizer.noise_variance(t) / expected_cohort**2

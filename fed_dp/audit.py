@@ -1,4 +1,4 @@
-"""The statistics of a one-run privacy audit (ALGORITHMS §7): an ε estimate and an ε lower bound from canaries.
+"""The statistics of a one-run privacy audit (docs/how-to/audit.md): an ε estimate and an ε lower bound from canaries.
 
 Canaries (Andrew et al. 2024, "One-shot empirical privacy estimation for federated learning"): m candidate
 directions c_i (random unit vectors); each is inserted, with probability ½ independently, as an extra user

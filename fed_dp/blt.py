@@ -1,4 +1,4 @@
-"""Buffered-linear-Toeplitz (BLT) strategies: correlated noise from ℓ buffers instead of b − 1 (ALGORITHMS §6).
+"""Buffered-linear-Toeplitz (BLT) strategies: correlated noise from ℓ buffers instead of b − 1 (docs/explanation/mechanism.md, Noise).
 
 References: Dvijotham, McMahan, Pillutla, Steinke, Thakurta 2024, "Efficient and near-optimal noise
 generation for streaming differential privacy"; McMahan et al. 2024, "A hassle-free algorithm for private

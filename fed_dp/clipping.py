@@ -1,8 +1,9 @@
-"""L2 clipping of whole user updates (ALGORITHMS §1) and in the scaled geometry of §3.6, exact in floating point.
+"""L2 clipping of whole user updates and in the scaled geometry of
+scale-then-privatize, exact in floating point (docs/explanation/mechanism.md, server-optimizers.md).
 
     u_i = clip(Δ_i, ζ) = Δ_i · f_i,   f_i ≤ min(1, ζ / ‖Δ_i‖₂)      (norm over all tensors: one flat vector)
 
-Scale-then-privatize (seed 000 Alg. 8; ALGORITHMS §3.6) clips in the preconditioned space:
+Scale-then-privatize (seed 000 Alg. 8; docs/explanation/server-optimizers.md) clips in the preconditioned space:
 
     u_i = clip(s_t ⊙ Δ_i, ζ)
 
@@ -322,7 +323,7 @@ def clip_rows(updates: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, to
 def clip_scaled(delta: torch.Tensor, scale: torch.Tensor, clip_norm: float) -> ClipResult:
     """Scale-then-privatize clip: clip(s ⊙ Δ, ζ), the scaled vector that the user sends.
 
-    ``scale`` is the server's broadcast s_t = 1/(sqrt(ν̂_{t−1}) + ε_s) (ALGORITHMS §3.6); it must be
+    ``scale`` is the server's broadcast s_t = 1/(sqrt(ν̂_{t−1}) + ε_s) (docs/explanation/server-optimizers.md); it must be
     positive and finite, with Δ's shape. The norm and the clip bit are those of s ⊙ Δ.
     """
     _check_vector(scale, "scale")

@@ -1,11 +1,11 @@
 """Frozen, validated configuration of the privacy mechanism.
 
 One :class:`PrivacyConfig` drives the user sampler, the noise (privatizer) and the accounting event, so
-the ε that is reported is the ε of what ran (ALGORITHMS.md §4): ``make_sampler(config)``,
+the ε that is reported is the ε of what ran (docs/explanation/mechanism.md, Samplers and their accounting): ``make_sampler(config)``,
 ``make_privatizer(config, ...)`` and ``dp_event(config, rounds)`` all read the same object, and
 combinations that no accounting covers are rejected here, before anything runs.
 
-Notation (README, ALGORITHMS.md): N = ``num_users``, B = ``expected_cohort`` (the fixed denominator),
+Notation (docs/explanation/mechanism.md): N = ``num_users``, B = ``expected_cohort`` (the fixed denominator),
 T = ``rounds``, σ = ``noise_multiplier``, ζ = ``clip_norm``, b = ``bands``, k = ``max_participations``,
 ℓ = ``buffers`` (of a BLT).
 """
@@ -30,13 +30,13 @@ MAX_BUFFERS = 16
 ACCOUNTANTS = ("pld", "rdp")
 WORKLOADS = ("prefix-sum", "momentum")
 
-#: Samplers whose participation pattern has a minimum separation, as BandMF needs (ALGORITHMS §2, §4).
+#: Samplers whose participation pattern has a minimum separation, as BandMF needs (docs/explanation/mechanism.md: Noise; Samplers and their accounting).
 SEPARATED_SAMPLERS = ("cyclic-poisson", "min-sep")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
-    """The user-level DP mechanism of one training run (ALGORITHMS.md §1, §2, §4).
+    """The user-level DP mechanism of one training run (docs/explanation/mechanism.md).
 
     Fields:
         num_users: N, users in the population (user ids are ``0 .. N-1``). ``None``: the task's population,
@@ -78,7 +78,7 @@ class PrivacyConfig:
     target_epsilon: float | None = setting(None, help="calibrate σ with dp_accounting so that the whole run has "
                                            "this user-level ε at delta")
     clip_norm: float = setting(1.0, help="ζ: L2 bound of one user's whole update")
-    sampler: str = setting("poisson", help="user sampler (README: Samplers and their accounting)", choices=SAMPLERS)
+    sampler: str = setting("poisson", help="user sampler (docs/explanation/mechanism.md, Samplers and their accounting)", choices=SAMPLERS)
     noise: str = setting("independent", help="independent Gaussian, or bandmf or blt (correlated) noise",
                          choices=NOISES)
     bands: int = setting(1, help="b: BandMF bands = cyclic-poisson groups = required min-separation")
@@ -172,7 +172,7 @@ class PrivacyConfig:
                 f"noise {noise!r} needs a sampler with minimum separation between a user's "
                 f"participations (cyclic-poisson or min-sep); sampler {sampler!r} has none, so "
                 f"{'BandMF' if noise == 'bandmf' else 'BLT'}'s correlated noise would have no valid accounting "
-                "(ALGORITHMS §2, §4, §6)",
+                "(docs/explanation/mechanism.md: Noise; Samplers and their accounting)",
             )
         if noise == "blt":
             _require(
@@ -316,7 +316,7 @@ class PrivacyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LocalTraining:
-    """Local training of one user on its own examples, from the broadcast θ_{t−1} (ALGORITHMS §1).
+    """Local training of one user on its own examples, from the broadcast θ_{t−1} (docs/explanation/mechanism.md).
 
     The user takes minibatch SGD steps on ``loss(model, batch)``: ``epochs`` passes over its examples in
     shuffled minibatches of ``batch_size`` (the last one of an epoch may be shorter), or, with ``steps``, that

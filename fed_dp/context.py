@@ -1,7 +1,7 @@
 """Where code runs: a simulation, or a real deployment. Non-private baselines exist only in simulations.
 
 Engines that simulate federated training enter ``simulation()``; anything not private (the noiseless
-preconditioner baseline of ALGORITHMS §3.7) calls ``require_simulation`` when it is built, so it cannot be
+preconditioner baseline of docs/explanation/server-optimizers.md) calls ``require_simulation`` when it is built, so it cannot be
 constructed in a deployment.
 """
 

@@ -1,4 +1,4 @@
-"""Per-round diagnostics that the seed papers plot (ALGORITHMS §3, last paragraph).
+"""Per-round diagnostics that the seed papers plot (docs/explanation/server-optimizers.md, last paragraph).
 
 * the fraction of coordinates with ν̂_t − Φ̂_t < 0 (seed 000 Fig. 4): bias correction is then floored;
 * min / quartiles / median / max of ν̂_t and of ν̂_t − Φ̂_t (seed 001 Table 1);

@@ -4,7 +4,7 @@ The correlated-noise mechanism releases ``C x + z`` and post-processes it with t
 noise the model sees is ``A C⁻¹ z`` (seed 000 §2.1, §4.5; Choquette-Choo et al. 2023, "Amplified banded
 matrix factorization"; McKenna 2024, "Scaling up the banded matrix factorization mechanism").
 
-Conventions (ALGORITHMS.md §2):
+Conventions (docs/explanation/mechanism.md, Noise):
 
 * ``C`` is T×T lower-triangular with ``b`` bands: ``C[t, j] = 0`` when ``t − j ≥ b`` or ``j > t``;
 * its diagonal is positive;
@@ -135,7 +135,7 @@ class BandedStrategy:
 
     ``band[t, r] = C[t, t − r]`` (float64, shape T×b, zero where t − r < 0). C has a positive diagonal and
     unit-norm columns, so a single participation has sensitivity 1 and, under b-min-separation with at most
-    k participations, sens² = k (ALGORITHMS.md §2; seed 000 §2.1/§4.5; Choquette-Choo et al. 2023,
+    k participations, sens² = k (docs/explanation/mechanism.md, Noise; seed 000 §2.1/§4.5; Choquette-Choo et al. 2023,
     "Amplified banded matrix factorization"; McKenna 2024, "Scaling up the banded matrix factorization
     mechanism"). Build one with ``identity_strategy``, ``banded_from_dense``, ``toeplitz_strategy`` or
     ``optimize_toeplitz``; the constructor only validates and keeps its own copy of ``band``.
@@ -246,7 +246,7 @@ class BandedStrategy:
         For a column-normalized banded Toeplitz C = C̃·diag(s) (what ``toeplitz_strategy`` and
         ``optimize_toeplitz`` build), C⁻¹ = diag(1/s)·C̃⁻¹ with C̃⁻¹ Toeplitz of coefficients h
         (``toeplitz_inverse_coefs``), so ‖row t‖² = Σ_{n≤t} h_n² / s_t²: O(T·b). Any other banded C: rows of
-        Y = C⁻¹ follow the banded forward recurrence applied to the identity (ALGORITHMS.md §2),
+        Y = C⁻¹ follow the banded forward recurrence applied to the identity (docs/explanation/mechanism.md, Noise),
         y_t = (e_t − Σ_{r=1}^{b−1} C[t, t−r]·y_{t−r}) / C[t, t], vectorized over the T columns: O(T²·b) time,
         O(T·b) memory, no dense inverse. Cached after the first call; a fresh copy is returned.
         """
@@ -276,7 +276,7 @@ class BandedStrategy:
 
 
 def identity_strategy(rounds: int) -> BandedStrategy:
-    """C = I (b = 1): independent noise, the trivial BandMF strategy (ALGORITHMS.md §2; seed 000 §2.1)."""
+    """C = I (b = 1): independent noise, the trivial BandMF strategy (docs/explanation/mechanism.md, Noise; seed 000 §2.1)."""
     rounds = check_int_range("rounds", rounds, 1)
     return BandedStrategy(torch.ones(rounds, 1, dtype=_DTYPE))
 
@@ -385,7 +385,7 @@ def banded_error(strategy: BandedStrategy, *, separation: int, momentum: float =
     """sens² · (1/T)·‖A C⁻¹‖_F² with every participation min-separation m allows: sens² = ⌈T/m⌉.
 
     Columns of a b-banded, column-normalized C that are m ≥ b apart have disjoint supports and unit norms
-    (ALGORITHMS §2), so ⌈T/m⌉ participations have sens² = ⌈T/m⌉; a separation below b is refused. The same
+    (docs/explanation/mechanism.md, Noise), so ⌈T/m⌉ participations have sens² = ⌈T/m⌉; a separation below b is refused. The same
     figure as ``fed_dp.blt.blt_error`` for a BLT, so the two compare at equal ε. Dense (``strategy_loss``):
     for T up to a few thousand.
     """

@@ -1,7 +1,7 @@
-"""One flat float32 vector per model update, and the layout to convert back (DESIGN.md).
+"""One flat float32 vector per model update, and the layout to convert back (docs/explanation/architecture.md).
 
 Clipping, noise and optimizers then act on a single tensor: the L2 norm of a user update is the norm of
-its flat vector, i.e. over *all* tensors together (ALGORITHMS §1).
+its flat vector, i.e. over *all* tensors together (docs/explanation/mechanism.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Independent moment estimation: privatize [Σu ; α·Σu²] as ONE Gaussian query (ALGORITHMS §3.5, §3.8).
+"""Independent moment estimation: privatize [Σu ; α·Σu²] as ONE Gaussian query (docs/explanation/server-optimizers.md).
 
 Each user sends its clipped update u_i and its coordinate-wise square u_i². The server adds Gaussian noise
 to the concatenation [Σu ; α·Σu²] with L2 sensitivity Δ, so that the query has the same noise-to-
@@ -8,7 +8,7 @@ released alone, whose sensitivity is Δ₁ = ζ for add/remove and 2ζ for repla
 
     std on Σu = σ·ζ·Δ/Δ₁ ,   std on Σu² = (std on Σu)/α
 
-i.e. σ·Δ for add/remove (the σΔ of ALGORITHMS §3.5) and (σ/2)·Δ for replace-one.
+i.e. σ·Δ for add/remove (the σΔ of docs/explanation/server-optimizers.md) and (σ/2)·Δ for replace-one.
 
 Sensitivity of one user's [u ; α·u²] with ‖u‖₂ ≤ ζ (so ‖u²‖₂ ≤ ‖u‖₂² ≤ ζ²):
 

@@ -1,4 +1,4 @@
-"""Privatizers: streaming Gaussian noise for the sum of clipped updates (ALGORITHMS §2, §6).
+"""Privatizers: streaming Gaussian noise for the sum of clipped updates (docs/explanation/mechanism.md, Noise).
 
 Independent noise is the identity-strategy case. For a strategy C (lower-triangular, largest column norm 1),
 the noise of round t is
@@ -20,7 +20,7 @@ computed online, never as a T×T or T×d matrix:
   returned d-vector, (ℓ + 1)·d floats.
 
 The per-coordinate noise variance of round t on the sum is (σζ)²·‖row t of C⁻¹‖², which DP-AdamBC needs
-(ALGORITHMS §3.3). Multiple participations are accounted in the dp_accounting event (σ/√k for BandMF,
+(docs/explanation/server-optimizers.md). Multiple participations are accounted in the dp_accounting event (σ/√k for BandMF,
 σ/sens_t for BLT, or amplification); the noise is always calibrated to a single participation, never
 scaled by √k or sens_t here.
 """

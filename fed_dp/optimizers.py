@@ -1,4 +1,4 @@
-"""Server optimizers as pure transforms on the private pseudo-gradient (ALGORITHMS §3).
+"""Server optimizers as pure transforms on the private pseudo-gradient (docs/explanation/server-optimizers.md).
 
 Every optimizer is a frozen, validated dataclass with
 
@@ -134,7 +134,7 @@ class ServerOptimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class SGD(ServerOptimizer):
-    """DP-FedAvg / DP-SGD / DP-SGD with momentum (ALGORITHMS §3.1; seed 003 DP-GD, DP-GDM).
+    """DP-FedAvg / DP-SGD / DP-SGD with momentum (docs/explanation/server-optimizers.md; seed 003 DP-GD, DP-GDM).
 
         m_t = μ·m_{t−1} + g̃_t ,   θ_t = θ_{t−1} − η·m_t          (μ = 0: θ_t = θ_{t−1} − η·g̃_t)
 
@@ -242,7 +242,7 @@ def _adaptive_needs(opt: "Adam | AdaGrad", broadcast_scale: bool) -> RoundNeeds:
 
 @dataclass(frozen=True, kw_only=True)
 class Adam(ServerOptimizer):
-    """DP-Adam and its variants on the server (ALGORITHMS §3.2–3.7).
+    """DP-Adam and its variants on the server (docs/explanation/server-optimizers.md).
 
         m_t = β₁m_{t−1} + (1−β₁)g̃_t ,  ν_t = β₂ν_{t−1} + (1−β₂)s_t ,  m̂ = m_t/(1−β₁ᵗ), ν̂ = ν_t/(1−β₂ᵗ)
         θ_t = θ_{t−1} − η·( m̂_t / D_t + λ·θ_{t−1} )
@@ -256,7 +256,7 @@ class Adam(ServerOptimizer):
     noise): a coordinate whose ν̂ − Φ̂ is below the noise floor is scaled as if its signal were at that floor,
     a step of about η·m̂/sqrt(Φ̂). A tiny fixed γ (seed 001 uses 1e-8 at its scale) makes such coordinates
     take huge steps once ν̂ − Φ̂ < 0 for many of them, which seed 000 (§4.4, Fig. 4) shows happens for a
-    large share of the coordinates when d ≫ (B/σ)²; DP-AdamBC then diverges (the README's heavy-tail run).
+    large share of the coordinates when d ≫ (B/σ)²; DP-AdamBC then diverges (the heavy-tail run of docs/explanation/server-optimizers.md).
     λ = ``weight_decay`` is decoupled (DP-AdamW / DP-AdamW-BC, seed 004 Alg. 1, 2); we use the standard
     sqrt(ν̂) + ε form rather than seed 004's sqrt(ν̂ + ε₀). With ``scale_then_privatize`` (seed 000
     Alg. 8) ``scale`` gives s_t = 1/(sqrt(ν̂_{t−1}) + ε_s) to broadcast; the engine clips s_t ⊙ Δ_i and
@@ -327,7 +327,7 @@ class Adam(ServerOptimizer):
 
 @dataclass(frozen=True, kw_only=True)
 class AdaGrad(ServerOptimizer):
-    """DP-AdaGrad on the server (ALGORITHMS §3.8; seed 000 §5.1).
+    """DP-AdaGrad on the server (docs/explanation/server-optimizers.md; seed 000 §5.1).
 
         G_t = G_{t−1} + s_t ,   θ_t = θ_{t−1} − η·g̃_t / D_t
 

@@ -1,6 +1,6 @@
 """Where the randomness of a run comes from: OS entropy, independent derived seeds, and the Gaussian noise source.
 
-Secrets of a run (README "Security"): whoever holds the noise source's state can subtract the noise and read
+Secrets of a run (docs/explanation/security.md): whoever holds the noise source's state can subtract the noise and read
 the exact sum of the clipped updates of every round; whoever holds the sampler's state knows every cohort.
 Both live only on the server, in the secret part of its checkpoints, never in a message or a published file.
 

@@ -1,4 +1,4 @@
-"""The one private round, shared by every engine (DESIGN.md "The one round"; ALGORITHMS §1).
+"""The one private round, shared by every engine (docs/explanation/mechanism.md).
 
     state          = init_server(config, optimizer, params)    # optimizer, privatizer, sampler, ledger
     plan           = begin_round(state)                         # budget check, cohort, θ_{t−1}, s_t
@@ -226,8 +226,7 @@ def aggregate(plan: RoundPlan, contributions: list[Contribution], dim: int, devi
 
     Each contribution is enforced in its own precision, float32 or wider (never in bfloat16/float16, never
     after a narrowing that could overflow), and the sums are accumulated in float64, then
-    rounded once to ``dtype``: the sum over nodes adds no rounding that grows with their number (README,
-    "Floating point").
+    rounded once to ``dtype``: the sum over nodes adds no rounding that grows with their number (docs/explanation/floating-point.md).
     """
     total = torch.zeros(dim, device=device, dtype=torch.float64)
     squares = torch.zeros(dim, device=device, dtype=torch.float64) if plan.send_squares else None

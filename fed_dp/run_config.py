@@ -110,7 +110,7 @@ class OptimizerSettings:
     """The server optimizer: a name of :data:`fed_dp.optimizers.OPTIMIZERS` and the hyper-parameters given (an
     unset one keeps the optimizer's own default)."""
 
-    name: str = setting("dp-adam", help="server optimizer (README: Server optimizers)", choices=tuple(OPTIMIZERS))
+    name: str = setting("dp-adam", help="server optimizer (docs/explanation/server-optimizers.md)", choices=tuple(OPTIMIZERS))
     lr: float | None = setting(None, help="η (unset: the optimizer's default)")
     beta1: float | None = setting(None, help="β₁ of the Adam variants")
     beta2: float | None = setting(None, help="β₂ of the Adam variants")

@@ -1,4 +1,4 @@
-"""User samplers and the dp_accounting event of each (ALGORITHMS.md §4).
+"""User samplers and the dp_accounting event of each (docs/explanation/mechanism.md, Samplers and their accounting).
 
 Every sampler is built from a :class:`~fed_dp.config.PrivacyConfig` and builds its own accounting event
 from that same config, so the sampler that picks the cohort and the event that accounts for it cannot
@@ -217,7 +217,7 @@ class MinSepSampler(Sampler):
 
     The split is a seeded random permutation cut into m near-equal groups; round t takes group t mod m,
     so a user participates at most k = ⌈T/m⌉ times, m ≥ b rounds apart. With column-normalized C the
-    sensitivity of k participations is √k (ALGORITHMS §2), accounted as Gaussian(σ/√k).
+    sensitivity of k participations is √k (docs/explanation/mechanism.md, Noise), accounted as Gaussian(σ/√k).
 
     The schedule is fixed in advance from the public N, B and seed, so the guarantee is the one proved for
     deterministic-participation BandMF: **zero-out** adjacency, one user's data present or replaced by zeros

@@ -1,7 +1,7 @@
 """The project's Flower ServerApp: the run config parsed once (``fed_dp.run_config``), the task loaded by
 reference, and the :class:`~fed_dp.server.flower_strategy.UserLevelDP` strategy started on it.
 
-    flwr run .                      # local simulation (see the README), or a deployment federation
+    flwr run .                      # local simulation (docs/how-to/flower-app.md), or a deployment federation
 
 It is an ordinary user of the public API: a ServerApp of your own does the same in a few lines.
 

@@ -5,7 +5,7 @@
     result = strategy.start(grid=grid, initial_arrays=model_arrays(model), evaluate_fn=centralized_evaluation(task))
     print(result.epsilon)                                       # user-level ε spent, at result.delta
 
-Each round (ALGORITHMS §1) runs through ``fed_dp.round`` in the one round loop (``fed_dp.round_loop``):
+Each round (docs/explanation/mechanism.md) runs through ``fed_dp.round`` in the one round loop (``fed_dp.round_loop``):
 fed-dp's sampler picks users (not Flower's node sampling: one node may host many users), every node hosting
 sampled users gets one TRAIN message (``fed_dp.clients.protocol``), replies are read and validated, re-clipped
 to ζ per user, summed without weights, noised, divided by the fixed B, and the server optimizer steps; the

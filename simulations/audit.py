@@ -4,7 +4,7 @@
                  [--with-training] [--noise-scale S]
 
 It runs the config's mechanism once in this process, as ``fed-dp simulate`` does, with m canary candidates
-(ALGORITHMS §7; Andrew et al. 2024): m orthonormal random directions c_i of the model's d parameters, each
+(docs/how-to/audit.md; Andrew et al. 2024): m orthonormal random directions c_i of the model's d parameters, each
 inserted with probability ½ as an extra user of the population whose clipped update is always ζ_t·c_i whenever
 the sampler picks it (held-out candidates are never inserted). The run is accounted as it ran: its population
 is N real users plus the inserted canaries. Three scores per candidate:
@@ -26,7 +26,7 @@ the mechanism (sampling, clipping, noise, server optimizer) and nothing else, wh
 privacy proof and the one whose law the test knows exactly. ``--with-training`` trains the real users too;
 their updates then enter the noisy sums with a law the test cannot know, so it is not run, and on the main job
 they hide much of the canaries (μ̂ 0.33 against 0.76 without training: they add to the scores' spread and
-partly undo the canaries' displacement; README).
+partly undo the canaries' displacement; docs/how-to/audit.md).
 
 ``privacy.noise-multiplier = 0`` (the non-private baseline, as in ``fed-dp simulate``): the run adds no noise
 and its accounted ε is infinite. ``noise_scale`` (``--noise-scale``, a self-test) adds that multiple of the configured noise while the

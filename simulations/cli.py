@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     new.set_defaults(run=_run_new)
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
-        description="Run the BENCHMARKS.md workloads side by side in one invocation and print medians, "
+        description="Run the benchmark workloads (docs/explanation/benchmarks.md) side by side in one invocation and print medians, "
         "min-max and ratios (see simulations/benchmark/command.py).",
     )
     _benchmark_arguments(benchmark)

@@ -1,6 +1,6 @@
 """Tests of the ``fed-dp`` command (fed_dp.cli): epsilon and calibrate, text and JSON, errors.
 
-Expected ε values are computed with dp_accounting directly on events built by hand (ALGORITHMS.md §4).
+Expected ε values are computed with dp_accounting directly on events built by hand (docs/explanation/mechanism.md, Samplers and their accounting).
 """
 
 from __future__ import annotations

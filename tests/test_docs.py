@@ -81,6 +81,20 @@ def test_pages_cite_only_what_is_in_the_repository(page):
         assert outside not in text, (page.name, outside)
 
 
+def test_no_file_of_the_project_cites_the_team_notes_outside_it():
+    """Code, configs and docs cite the docs pages or the papers, never notes that are not in the repository (code
+    blocks included: error messages must not send users to files they do not have)."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.toml", "*.md", "*.sh"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert tracked, "git ls-files found no file"
+    names = ("ALGORITHMS" + ".md", "ALGORITHMS" + " §", "BENCHMARKS" + ".md", "DESIGN" + ".md")  # not this file itself
+    citing = [(name, outside) for name in tracked if name != "tests/test_docs.py"
+              for outside in names if outside in (ROOT / name).read_text(encoding="utf-8", errors="replace")]
+    assert not citing, citing
+
+
 def test_every_image_a_page_shows_is_in_the_docs():
     for page in PAGES:
         for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text(encoding="utf-8")):

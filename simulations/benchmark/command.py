@@ -1,4 +1,4 @@
-"""``fed-dp benchmark``: the workloads of BENCHMARKS.md, measured side by side in one invocation.
+"""``fed-dp benchmark``: the workloads of docs/explanation/benchmarks.md, measured side by side in one invocation.
 
     fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users,paths] [--smoke]
 

@@ -1,6 +1,6 @@
 """Flower's own DP simulation of W1: the baseline ``fed-dp benchmark`` measures the project against.
 
-BENCHMARKS.md W1 written the way a Flower user writes it with Flower's DP wrapper, nothing of fed-dp in
+W1 (docs/explanation/benchmarks.md) written the way a Flower user writes it with Flower's DP wrapper, nothing of fed-dp in
 the round: a ServerApp running ``DifferentialPrivacyServerSideFixedClipping(FedAvg)`` (the server clips
 every client's model update to ζ, FedAvg averages them with equal weights, Gaussian noise of std
 σ·ζ/B is added to the average) and a ClientApp that trains its one user with ``torch.optim.SGD``.
@@ -41,7 +41,7 @@ __all__ = ["APP", "BaselineConfig", "W1Workload", "client_app", "main", "run", "
 
 @dataclass(frozen=True)
 class W1Workload:
-    """BENCHMARKS.md W1: users × examples CIFAR-shaped examples, ``rounds`` rounds of ``cohort`` users, each
+    """W1 (docs/explanation/benchmarks.md): users × examples CIFAR-shaped examples, ``rounds`` rounds of ``cohort`` users, each
     ``epochs`` local epochs of SGD in minibatches of ``batch_size`` at ``lr``; clip ζ, noise σ."""
 
     users: int = 500

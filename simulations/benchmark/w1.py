@@ -1,4 +1,4 @@
-"""The ``w1`` section of ``fed-dp benchmark`` (described in ``benchmark.command``): BENCHMARKS.md W1 on every system —
+"""The ``w1`` section of ``fed-dp benchmark`` (described in ``benchmark.command``): W1 (docs/explanation/benchmarks.md) on every system —
 Flower's own DP simulation, the project's Flower apps, the in-process engine and plain training."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ SUBPROCESS_SYSTEMS = ("flower-dp", "flower-dp-1cpu", "flower-dp-flwr-run", "fed-
 
 @dataclass(frozen=True)
 class W1Spec(W1Workload):
-    """BENCHMARKS.md W1 with its privacy parameters; ``smoke()`` is a seconds-long version for tests."""
+    """W1 (docs/explanation/benchmarks.md) with its privacy parameters; ``smoke()`` is a seconds-long version for tests."""
 
     delta: float = 1e-5
     accountant: str = "rdp"  # the per-round ε of the ServerApp's ledger: RDP costs ~0.1 s, PLD ~0.5 s

@@ -4,7 +4,7 @@ A config is a run configuration (``fed_dp.run_config``: tables ``[task]``, ``[pr
 ``[local]``, ``[adaptive]``, ``[client]``, ``[run]``; keys hyphenated, as in Flower run configs) plus two
 experiment keys: ``run.optimizers = [names]`` trains each of these optimizers with the same seeds, and
 ``[optimizers.NAME]`` tables hold their hyper-parameters (the keys of ``[optimizer]``). See
-``simulations/configs/`` and the README. Of ``[server]``, ``checkpoint-dir`` (one folder per optimizer),
+``simulations/configs/`` and docs/tutorials/simulations.md. Of ``[server]``, ``checkpoint-dir`` (one folder per optimizer),
 ``max-empty-rounds`` and ``noise-source`` act; the keys that wait for SuperNodes are refused
 (:data:`FLOWER_ONLY_KEYS`).
 

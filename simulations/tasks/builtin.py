@@ -11,7 +11,7 @@ config names by its short name (``task.ref = "heavy-tail"``) or by reference
 | ``sparse-logreg-1d`` | seed 000 §5.1-style 1-D sparse logistic regression (built in) | 1-D logistic | a held-out draw |
 | ``cifar10`` | ``cifar-10-batches-py`` from a local folder (seeds 001, 004) | 5-layer DP CNN | the test batch |
 | ``barcode-mnist`` | MNIST idx files from a local folder, seed 003 App. B | 2-conv CNN | a held-out split, per group |
-| ``w1`` | BENCHMARKS.md W1: CIFAR-shaped noise, labels independent of inputs, seeded by user id (built in) | W1 CNN | nothing (a throughput workload) |
+| ``w1`` | W1 (docs/explanation/benchmarks.md): CIFAR-shaped noise, labels independent of inputs, seeded by user id (built in) | W1 CNN | nothing (a throughput workload) |
 | ``stackoverflow_like_task`` (by reference) | 342,477 lazily generated users of 1–64 Zipf-distributed token sequences, seeded by user id (built in) | bigram LM (Embedding, LayerNorm, Linear) | nothing (a throughput workload) |
 
 Users: ``users`` = N; ``partition`` = ``iid`` | ``dirichlet`` (``alpha``) | ``power-law`` (``exponent``) |
@@ -166,7 +166,7 @@ def barcode_mnist_task(
 
 
 def w1_task(*, users: int = 500, examples: int = 32) -> Task:
-    """BENCHMARKS.md W1: ``users`` users of ``examples`` CIFAR-shaped examples each, user i's data from
+    """W1 (docs/explanation/benchmarks.md): ``users`` users of ``examples`` CIFAR-shaped examples each, user i's data from
     ``synthetic.w1_user_data(i)``; the 25,578-parameter W1 CNN. No held-out data: labels are independent
     of the inputs, so accuracy means nothing; the workload measures throughput."""
     if not (isinstance(users, int) and users >= 1):
@@ -176,7 +176,7 @@ def w1_task(*, users: int = 500, examples: int = 32) -> Task:
         users=Users.in_memory([synthetic.w1_user_data(u, examples) for u in range(users)]),
         model=models.w1_cnn,
         loss=losses.classification,
-        description=f"W1 throughput workload (BENCHMARKS.md): N={users} users x {examples} synthetic CIFAR-shaped examples",
+        description=f"W1 throughput workload: N={users} users x {examples} synthetic CIFAR-shaped examples",
     )
 
 

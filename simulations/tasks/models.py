@@ -7,7 +7,7 @@ per-example / per-user clipping).
 | ``logistic_1d()`` | seed 000 §5.1 sparse 1-D logistic regression | logits (0, w x) | 1 |
 | ``cifar_cnn()`` | seeds 001/004, CIFAR-10 "5-layer CNN" | 5 conv (tanh), global average pool | 411,466 |
 | ``barcode_cnn(c)`` | seed 003 App. B, Barcode-MNIST "2-convolution-layer CNN" | 2 conv + 2 linear (tanh) | 25,680 + 33·c |
-| ``w1_cnn()`` | BENCHMARKS.md W1 throughput workload | 2 conv (ReLU) + linear | 25,578 |
+| ``w1_cnn()`` | W1 (docs/explanation/benchmarks.md) throughput workload | 2 conv (ReLU) + linear | 25,578 |
 | ``small_cnn(c, channels, size)`` | FEMNIST (1×28×28, c = 62), FLAIR (3×32×32, 17 labels) | the W1 CNN's layers | 5,088 + (32·(size/4)² + 1)·c + 144·(channels − 3) |
 | ``pair_classifier(V, c)`` | SNLI, QNLI sentence pairs | mean word embeddings of both sentences, [u, v, ∣u−v∣, u·v], MLP | V·e + 4e·h + h + h·c + c |
 | ``token_lm(V)`` | PTB, E2E, Shakespeare, StackOverflow next-token prediction | embeddings, causal convolutions + running mean, tied output | V·e + V + l·(k·e² + e) + e² + e |
@@ -196,7 +196,7 @@ def barcode_cnn(num_classes: int, activation: str = "tanh") -> BarcodeCNN:
 
 
 class W1CNN(nn.Module):
-    """BENCHMARKS.md W1 model (see :func:`w1_cnn`); other input sizes and channels: :func:`small_cnn`."""
+    """W1 (docs/explanation/benchmarks.md) model (see :func:`w1_cnn`); other input sizes and channels: :func:`small_cnn`."""
 
     def __init__(self, num_classes: int = 10, channels: int = 3, size: int = 32):
         super().__init__()
@@ -219,7 +219,7 @@ class W1CNN(nn.Module):
 
 
 def w1_cnn(num_classes: int = 10) -> W1CNN:
-    """BENCHMARKS.md W1: conv(3→16, 3×3, pad 1) → ReLU → max-pool 2 → conv(16→32, 3×3, pad 1) → ReLU →
+    """W1 (docs/explanation/benchmarks.md): conv(3→16, 3×3, pad 1) → ReLU → max-pool 2 → conv(16→32, 3×3, pad 1) → ReLU →
     max-pool 2 → linear(32·8·8 → 10). Parameters 448 + 4,640 + 20,490 = 25,578. Input (N, 3, 32, 32)."""
     return W1CNN(num_classes)
 

@@ -6,12 +6,12 @@ Two generators:
   Kunstner et al. 2024): a linear softmax model on inputs drawn independently of the
   labels, with class frequencies spread over ``groups`` orders of magnitude.
 * :func:`sparse_logistic_1d` -- the one-dimensional sparse logistic regression of
-  seed 000 §5.1, used to compare AdaGrad variants (ALGORITHMS.md §3.8): most samples
+  seed 000 §5.1, used to compare AdaGrad variants (docs/explanation/server-optimizers.md): most samples
   have ``x = 0`` and therefore a gradient that is exactly zero.
 * :func:`heavy_tail_mixture` -- the same class frequencies with inputs that depend on the label
   (a Gaussian around a prototype per class), so a model can generalize and is evaluated on held-out
   draws per frequency group: the main job of ``fed-dp simulate``.
-* :func:`w1_user_data` -- one user of the BENCHMARKS.md W1 throughput workload:
+* :func:`w1_user_data` -- one user of the W1 (docs/explanation/benchmarks.md) throughput workload:
   CIFAR-shaped inputs and labels drawn from a generator seeded with the user id.
 * :func:`stackoverflow_like_user` -- one user of a StackOverflow-shaped population (a heavy-tailed
   number of token sequences), drawn from a generator seeded with the user id, so that a population
@@ -146,7 +146,7 @@ def sparse_logistic_1d(
     nonzero_fraction: float = 0.05,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-dimensional sparse logistic regression (seed 000 §5.1; ALGORITHMS.md §3.8).
+    """One-dimensional sparse logistic regression (seed 000 §5.1; docs/explanation/server-optimizers.md).
 
     Model: a single weight ``w``, per-example loss
     ``ℓ(w; x, y) = −y log σ(w x) − (1 − y) log(1 − σ(w x))`` with ``y ∈ {0, 1}``, whose
@@ -246,7 +246,7 @@ def heavy_tail_mixture(
 
 
 def w1_user_data(user_id: int, examples: int = 32, *, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """User ``user_id``'s examples of BENCHMARKS.md W1: ``x`` ~ N(0, 1) of shape (n, 3, 32, 32) (float32)
+    """User ``user_id``'s examples of W1 (docs/explanation/benchmarks.md): ``x`` ~ N(0, 1) of shape (n, 3, 32, 32) (float32)
     then ``y`` uniform on {0, .., classes − 1}, both from ``torch.Generator().manual_seed(user_id)``.
 
     Labels are independent of the inputs: W1 measures throughput, not accuracy. Deterministic in the

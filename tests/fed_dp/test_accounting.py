@@ -1,7 +1,7 @@
 """Tests of fed_dp.accounting: user-level ε, calibration of σ, and the per-round privacy ledger.
 
-Every expected ε is computed here with dp_accounting on an event built by hand (ALGORITHMS.md §4), or
-is an independent literature figure (ALGORITHMS.md §5). PLD evaluations are slow at small σ, so the PLD
+Every expected ε is computed here with dp_accounting on an event built by hand (docs/explanation/mechanism.md, Samplers and their accounting), or
+is an independent literature figure. PLD evaluations are slow at small σ, so the PLD
 cases use moderate σ and few rounds; RDP is used where the property does not depend on the accountant.
 """
 
@@ -50,7 +50,7 @@ def poisson_event(q: float, sigma: float, rounds: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# ALGORITHMS §5 reference figures (independent of this code)
+# Reference figures from the seed papers and dp_accounting (independent of this code)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Tests of fed_dp.adaptive_clipping (Andrew et al. 2021; ALGORITHMS.md §4).
+"""Tests of fed_dp.adaptive_clipping (Andrew et al. 2021; docs/explanation/mechanism.md, Adaptive clipping).
 
 The noise split is checked with dp_accounting directly: releasing the update with multiplier σ_Δ and the
 clip-bit sum (sensitivity ½, noise std σ_b, so multiplier 2σ_b) must cost exactly one Gaussian with

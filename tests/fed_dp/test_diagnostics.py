@@ -1,4 +1,4 @@
-"""Diagnostics (ALGORITHMS §3 last paragraph, §5): the fraction of coordinates with ν̂ − Φ̂ < 0 reproduces
+"""Diagnostics (docs/explanation/server-optimizers.md): the fraction of coordinates with ν̂ − Φ̂ < 0 reproduces
 the reference figures by simulation, the quantile summaries match numpy, and the alignment ratio has its
 closed-form values. Expectations are computed in the test (numpy quantiles, closed forms, a stationary
 approximation of the EMA of squares)."""
@@ -25,7 +25,7 @@ def _expected_summary(prefix: str, values: np.ndarray) -> dict[str, float]:
     return {f"{prefix}_{name}": float(np.quantile(values, q)) for name, q in QUANTILES.items()}
 
 
-# --- the negative-fraction figure of ALGORITHMS §5 ---------------------------------------------------------
+# --- the negative-fraction figure (a Monte Carlo reconstruction, independent of this code) ---------------------------------------------------------
 def _stationary_fraction_approximations(dim: int, cohort: int, sigma: float, clip: float, beta2: float):
     """P(ν̂ − Φ < 0) at stationarity, for g̃ = ḡ + n, n ~ N(0, Φ), Φ = (σζ/B)², ḡ_j² = ζ²/d.
 

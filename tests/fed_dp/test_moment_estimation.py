@@ -1,4 +1,4 @@
-"""Independent moment estimation (ALGORITHMS §3.5, §3.8): the joint query [Σu ; α·Σu²], its sensitivity,
+"""Independent moment estimation (docs/explanation/server-optimizers.md): the joint query [Σu ; α·Σu²], its sensitivity,
 the noise it gets, and the replace-one "for free" thresholds, which are re-derived NUMERICALLY here
 (dense grid search in 1-D, random-restart constrained optimization in 2-D and 3-D) instead of trusted.
 """

@@ -1,4 +1,4 @@
-"""Server optimizers (ALGORITHMS §3): reference reproduction, STP, DP-AdamBC Φ, variants, validation, state.
+"""Server optimizers (docs/explanation/server-optimizers.md): reference reproduction, STP, DP-AdamBC Φ, variants, validation, state.
 
 Expected values come from outside the code under test: ``torch.optim`` as a second implementation (σ = 0,
 no clipping), hand computations in Python floats, closed forms such as (σζ/B)², and Monte Carlo over

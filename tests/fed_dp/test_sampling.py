@@ -1,7 +1,7 @@
 """Tests of fed_dp.sampling: the user samplers and the accounting event each one implies.
 
 Expected ε values are computed in the test with dp_accounting directly, from an event built by hand from
-the table of ALGORITHMS.md §4 — never from ``fed_dp.sampling.dp_event``. Empirical sampler behaviour is
+the table of docs/explanation/mechanism.md, Samplers and their accounting — never from ``fed_dp.sampling.dp_event``. Empirical sampler behaviour is
 checked against closed-form binomial means with a 5-sigma bound (the seeds are fixed, so a run is
 deterministic; the bound says how far from the law the fixed draw may lie).
 """
@@ -54,7 +54,7 @@ def binomial_ok(count: int, trials: int, p: float, z: float = 5.0) -> bool:
     return abs(count - trials * p) <= z * sd + 1e-9
 
 
-# Hand-built events, per ALGORITHMS.md §4 (N, B, T, σ, b written out explicitly in each case).
+# Hand-built events, per docs/explanation/mechanism.md, Samplers and their accounting (N, B, T, σ, b written out explicitly in each case).
 
 SIGMA = 1.5
 
@@ -128,7 +128,7 @@ CASE_PARAMS = [
 
 
 # ------------------------------------------------------------------------------------------------
-# Accounting: ε equals dp_accounting on the hand-built event of ALGORITHMS §4
+# Accounting: ε equals dp_accounting on the hand-built event of docs/explanation/mechanism.md, Samplers and their accounting
 # ------------------------------------------------------------------------------------------------
 
 

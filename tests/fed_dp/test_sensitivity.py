@@ -1,4 +1,5 @@
-"""BandMF multi-participation sensitivity under b-min-separation (ALGORITHMS.md §2, §4).
+"""BandMF multi-participation sensitivity under b-min-separation (docs/explanation/mechanism.md:
+Noise; Samplers and their accounting).
 
 For column-normalized, b-banded C and a user whose participations are pairwise ≥ b rounds apart, at most
 k of them, sens(C)² = k: columns |i − j| ≥ b have disjoint support. The tests enumerate every such

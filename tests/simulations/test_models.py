@@ -95,7 +95,7 @@ def test_output_shape_and_parameter_count(name):
 
 
 def test_documented_parameter_counts():
-    assert _count(w1_cnn()) == 25_578  # BENCHMARKS.md W1
+    assert _count(w1_cnn()) == 25_578  # W1 (docs/explanation/benchmarks.md)
     assert _count(cifar_cnn()) == 411_466
     assert _count(barcode_cnn(330)) == 36_570
     assert _count(linear_softmax(9216, 255)) == 9216 * 255
@@ -166,7 +166,7 @@ def test_vmapped_per_example_gradients_equal_a_loop(name):
 
 
 def test_w1_forward_is_the_benchmark_network_conv_relu_pool():
-    """W1CNN pools before its ReLU for speed; outputs and gradients equal the BENCHMARKS.md order
+    """W1CNN pools before its ReLU for speed; outputs and gradients equal the order of W1 as specified
     conv → ReLU → max-pool (computed here with the functional ops), on inputs with many negative windows."""
     torch.manual_seed(0)
     model = w1_cnn()
