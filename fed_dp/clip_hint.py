@@ -69,10 +69,11 @@ class ClipHint:
             return None
         self.given = True
         rounds = len(self.squared_norms)
-        return (f"the released updates are small for the clip norm: over the first {rounds} rounds the average "
-                f"clipped update has a norm of at most {bound:.3g} (a 99.9% bound read from the noised releases, "
-                f"no privacy cost), under {RATIO:g} x the clip norm {self.clip_norm:g}. The noise is sized by the "
-                "clip norm, so it drowns updates this far under it (or the users' updates point in different "
-                "directions: the releases cannot tell). Start with adaptive clipping (run config: adaptive.enabled = "
-                "true; Python: adaptive_clipping=fed_dp.AdaptiveClipConfig(...), Andrew et al. 2021), which moves "
-                "the clip norm to a quantile of the update norms, or lower privacy.clip-norm")
+        return (f"the released average update is far under the clip norm: over the first {rounds} rounds its norm "
+                f"is at most {bound:.3g} (a 99.9% bound read from the noised releases, no privacy cost), under "
+                f"{RATIO:g} x the clip norm {self.clip_norm:g}. Either the users' updates are small for the clip "
+                "norm, and the noise, which is sized by it, drowns them (lower privacy.clip-norm), or they are "
+                "large but point in different directions and cancel in the sum (then the clip norm may be right): "
+                "the releases cannot tell which; adaptive clipping finds out (run config: adaptive.enabled = true; "
+                "Python: adaptive_clipping=fed_dp.AdaptiveClipConfig(...), Andrew et al. 2021): it moves the clip "
+                "norm to a quantile of the update norms and publishes it (next_clip_norm)")

@@ -88,7 +88,7 @@ class TrainingStopped(RuntimeError):
         kept = (f"saved in {checkpoint_dir} (start the run again with it to resume, once the user's data or the "
                 "task is fixed)" if checkpoint_dir else "returned with this error (its .result, or .state.params)")
         super().__init__(f"{failure}. The run stopped before releasing round {failure.round_number}: nothing of it "
-                         f"was released; {state.round} round(s) were (epsilon so far {spent}), and the model after "
+                         f"was released; {state.round} round(s) were released before it (epsilon so far {spent}), and the model after "
                          f"round {state.round} is {kept}")
 
 

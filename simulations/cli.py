@@ -103,7 +103,7 @@ def _stopped_line(command: str, stop: Any, out: Path) -> str:
         where.append(f"the checkpoint folder {stop.checkpoint_dir} (run again with it to resume)")
     spent = stop.records[-1]["epsilon"] if stop.records else 0
     return (f"fed-dp {command}: stopped: {' '.join(str(stop.failure).split())}. Nothing of round "
-            f"{stop.failure.round_number} was released; {stop.state.round} round(s) were (epsilon so far "
+            f"{stop.failure.round_number} was released; {stop.state.round} round(s) were released before it (epsilon so far "
             f"{spent if isinstance(spent, str) else f'{spent:.4f}'}). The model after round {stop.state.round}: "
             f"{' and '.join(where) or 'not saved'}; the records so far: {out}/rounds-<optimizer>.jsonl")
 

@@ -22,7 +22,7 @@ from fed_dp.server.local_simulation import format_run_config
 #: What the generated pyproject.toml says about its (empty) dependency list, and why.
 DEPENDENCIES_NOTE = """\
 # Dependencies: fed-dp, torch and flwr come from the Python environment you run `flwr run` in (and, in a
-# deployment, from each SuperNode's): `pip install fed-dp` there. Do not list fed-dp below. When Flower starts
+# deployment, from each SuperNode's): install fed-dp there from its source (pip install -e <fed-dp clone>). Do not list fed-dp below. When Flower starts
 # this app it installs the app's [project] dependencies itself (runtime dependency installation, on by default
 # for the local SuperLink that `flwr run` starts): `uv sync` of this list from the package index into a fresh
 # environment for the run, placed in front of the running one. fed-dp is not installable from the index, so listing it fails
@@ -68,7 +68,7 @@ def main(grid: Grid, context: Context) -> None:
                             evaluate_fn=centralized_evaluation(task))
     last = result.records[-1] if result.records else {}
     evaluated = {key: value for key, value in last.items() if key.startswith("eval_")}
-    print(f"{len(result.records)} rounds, user-level epsilon {result.epsilon} at delta {result.delta:g}; "
+    print(f"{last.get('round', 0)} rounds, user-level epsilon {result.epsilon} at delta {result.delta:g}; "
           f"last evaluation {evaluated}")
 '''
 
@@ -131,8 +131,8 @@ The ServerApp logs every round's ε and prints the final user-level ε. With `se
 path) every round is saved there, with `results.json`, and a new run resumes from it.
 
 - task.py: your model, users' data, loss and held-out evaluation.
-- pyproject.toml, `[tool.flwr.app.config]`: every fed-dp setting with its default; `privacy.num-users = 0`
-  means "the task's number of users". fed-dp is deliberately not in `[project] dependencies`: the comment
+- pyproject.toml, `[tool.flwr.app.config]`: every fed-dp setting with its default; an optional key
+  holds "" (unset; e.g. `privacy.num-users = ""` means the task's number of users). fed-dp is deliberately not in `[project] dependencies`: the comment
   there says why.
 - server_app.py: `Strategy` subclasses `UserLevelDP`; override `configure_train` / `aggregate_train` as with
   Flower's strategies, calling `super()`.

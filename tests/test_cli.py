@@ -422,10 +422,10 @@ def test_simulate_stopped_by_a_user_says_which_and_where_the_model_so_far_is(cap
     assert excinfo.value.code == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("fed-dp simulate: stopped: round 2, user 3: ValueError: loading the examples of user 3 "
-                           "failed: FileNotFoundError: users/3.pt. Nothing of round 2 was released; 1 round(s) were")
+                           "failed: FileNotFoundError: users/3.pt. Nothing of round 2 was released; 1 round(s) were released before it")
     assert line.endswith("The model after round 1: out/model-dp-adam.pt (its state_dict); the records so far: "
                          "out/rounds-<optimizer>.jsonl")
     saved = torch.load(tmp_path / "out" / "model-dp-adam.pt")
     assert set(saved) == {"weight", "bias"} and saved["weight"].shape == (3, 6)
     records = [json.loads(r) for r in (tmp_path / "out" / "rounds-dp-adam.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [0]
+    assert [r["round"] for r in records] == [1]  # rounds count from 1; the task has no evaluation, so no round 0

@@ -121,7 +121,7 @@ def test_a_flower_run_config_override_replaces_an_unset_key():
 
 
 @pytest.mark.parametrize("flat, message", [
-    ({"privacy.noise-multiplier": -1.0}, "noise_multiplier must be a finite number > 0, got -1.0"),
+    ({"privacy.noise-multiplier": -1.0}, "noise_multiplier must be a finite number >= 0, got -1.0"),
     ({"privacy.noise-multiplier": "", "privacy.target-epsilon": 0.0}, "target_epsilon must be a finite number > 0"),
     ({"privacy.num-users": 0}, "num_users must be an integer >= 1"),
     ({"privacy.buffers": 0}, "buffers = 0 only applies to noise 'blt'"),

@@ -174,7 +174,7 @@ def test_the_strategy_evaluates_the_initial_model_at_round_0_and_numbers_rounds_
     """Flower's convention: evaluate_fn(0, initial model) before round 1, then rounds 1 … T; the engine's
     records agree (round 0 the initial evaluation, ε 0), and Flower's per-round metrics use the same numbers."""
     model = initial_model(TASK, 7)[0]
-    result = UserLevelDP(PRIVACY, "dp-adam", seed=7, evaluate_every=2).start(
+    result = UserLevelDP(PRIVACY, "dp-adam", seed=7, eval_every=2).start(
         honest_grid(), model_arrays(model), evaluate_fn=centralized_evaluation(TASK))
     assert [r["round"] for r in result.records] == [0, 1, 2, 3]
     assert result.records[0]["epsilon"] == 0.0 and "eval_accuracy" in result.records[0]
@@ -268,7 +268,7 @@ def test_an_overridden_configure_train_reaches_the_nodes_with_checkpoint_and_eva
     assert all("eval_accuracy" in record for record in result.records)
     saved = load_checkpoint(tmp_path / "ckpt")["state"]
     assert saved["round"] == 3 and len(saved["ledger"]["records"]) == 3
-    assert [r["round"] for r in json.loads((tmp_path / "ckpt" / RESULTS_NAME).read_text())] == [0, 1, 2]
+    assert [r["round"] for r in json.loads((tmp_path / "ckpt" / RESULTS_NAME).read_text())] == [0, 1, 2, 3]
     plain = UserLevelDP(PRIVACY, "dp-fedavg", seed=8).start(honest_grid(), model_arrays(model))
     assert torch.equal(strategy.layout.flatten(dict(result.arrays.to_torch_state_dict())),
                        strategy.layout.flatten(dict(plain.arrays.to_torch_state_dict())))

@@ -53,8 +53,8 @@ def test_fed_dp_new_writes_an_app_that_flwr_run_trains(tmp_path, capsys):
     assert f"fed-dp finished: 2 rounds, user-level epsilon {expected[-1]:.4f}" in log, log[-3000:]
     assert "2 rounds, user-level epsilon" in log and "last evaluation {'eval_loss'" in log  # server_app.py's line
     results = json.loads((checkpoints / "results.json").read_text())
-    assert [r["round"] for r in results] == [0, 1]
-    assert [r["epsilon"] for r in results] == pytest.approx(expected)
+    assert [r["round"] for r in results] == [0, 1, 2]  # the initial model's evaluation (round 0), then rounds 1 … 2
+    assert [r["epsilon"] for r in results] == pytest.approx([0.0, *expected])  # round 0 released nothing
     assert all(0 <= r["eval_accuracy"] <= 1 for r in results)
 
 
