@@ -8,6 +8,19 @@ import os
 import pytest
 
 
+def pytest_configure(config):
+    """On a pytest-xdist worker, one torch thread (and one OpenMP/MKL thread for the processes it starts: Flower's
+    simulations, SuperNodes, ``fed-dp`` commands): the workers together already keep the cores busy, and two torch
+    threads in each of three workers on CI's two cores spent the time switching between them. ``pytest -n 0`` keeps
+    torch's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[variable] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _strategy_cache_in_a_temporary_folder(tmp_path_factory):
     """$FED_DP_CACHE_DIR for the whole session (tests that need their own folder set it themselves)."""
