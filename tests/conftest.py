@@ -49,7 +49,8 @@ def server_identity():
 #: pyproject's addopts each group runs on one worker, one test after another; every other test runs wherever a
 #: worker is free. Flower's simulation engine (Ray, started in the test process or by ``flwr run``) runs in two
 #: groups, so that at most two Ray simulations share the machine; the deployments (SuperLink, SuperNodes,
-#: ClientApp processes, with reply timeouts) run one at a time. The groups are of similar length (about 4–6 minutes
+#: ClientApp processes, with reply timeouts) run one at a time; the benchmark's smoke deployment (one SuperNode,
+#: its own ports, no timing asserted) runs beside them. The groups are of similar length (about 4–6 minutes
 #: each on 2 cores), the critical path of the run. (pytest-xdist's own ``xdist_group`` mark has no effect with
 #: pytest 9, whose node ids it can no longer rewrite: checked with pytest 9.2 and pytest-xdist 3.8.)
 XDIST_GROUPS = {
@@ -58,8 +59,7 @@ XDIST_GROUPS = {
                             "tests/simulations/test_benchmark.py::test_smoke_run_measures_w1_side_by_side",
                             "tests/test_examples.py::test_your_own_server_and_client_apps_run_with_flwr_run"),
     "flower-simulation-a": ("tests/server/test_flower_simulation.py::",),
-    "deployment": ("tests/server/test_deployment.py::", "tests/server/test_faults.py::",
-                   "tests/simulations/test_benchmark.py::test_smoke_run_measures_deployment_rounds"),
+    "deployment": ("tests/server/test_deployment.py::", "tests/server/test_faults.py::"),
 }
 #: Tests of a minute or more in no group: collected first, so that they start at the beginning instead of leaving
 #: one worker alone with them at the end (the scheduler hands out groups largest first, then single tests in
