@@ -1,6 +1,7 @@
 """``fed-dp benchmark --only small-users``: many users with little data each, where user-level DP lives (issue 24).
 
-Three workloads, one torch thread, on the CPU:
+Three workloads, one torch thread, on the CPU (``--small-users-device cuda``: the engine and the direct
+implementation on the GPU, one CPU thread driving it):
 
 ``A`` seed 003 §3 heavy-tail, G = 6, L = 256
     1,536 users of one example each (``tasks.builtin.heavy_tail_task`` with users = n), a linear softmax model
@@ -30,6 +31,12 @@ itself. The two alternate: the engine's ``on_round`` runs one direct round after
 round, direct round, engine round, ...), so both see the same machine load. Medians of the rounds are
 compared (with one round, as for B by default, that first round).
 
+On CUDA (``--small-users-device cuda``) the engine's rounds are timed from one ``on_round`` to the next with the
+device synchronized (the record's ``nonprivate_round_seconds`` would stop the clock before queued GPU work ends;
+the first round also pays for building the trainer and warming the GPU up, which the median leaves out), the
+direct round synchronizes before it stops its clock, and the GPU's peak allocation
+(``torch.cuda.max_memory_allocated``, reset after every direct round) is reported beside the resident peak.
+
 Peak memory: the process's peak resident set (``VmHWM`` of ``/proc/self/status``) during each engine round,
 reset (``/proc/self/clear_refs``) before the run and after each direct round, so it is the engine's peak with
 everything the process already holds (the task's data and the direct implementation's copy of the inputs,
@@ -57,7 +64,7 @@ from fed_dp.clipping import clip_factor
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import Adam, make_optimizer
 from fed_dp.simulations.engine import inprocess as engine
-from fed_dp.simulations.benchmark.measure import summarize, table, timed, torch_threads
+from fed_dp.simulations.benchmark.measure import summarize, sync, table, timed, torch_threads
 from fed_dp.simulations.tasks.builtin import STACKOVERFLOW_USERS, heavy_tail_task, stackoverflow_like_task
 from fed_dp.validation import check_int, check_positive
 
@@ -67,6 +74,8 @@ __all__ = ["AdamBCState", "DirectLinearRound", "HeavyTailWorkload", "PopulationW
 
 #: The engine's training paths (``LocalTrainer``'s ``training``): its own choice, or one forced.
 TRAINING = ("auto", "sequential", "vectorized")
+#: Where the engine and the direct implementation run.
+DEVICES = ("cpu", "cuda")
 
 
 # --- workloads ----------------------------------------------------------------------------------------------
@@ -86,10 +95,13 @@ class _Round:
     delta: float = 1e-5
     seed: int = 0
     training: str = "auto"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.training not in TRAINING:
             raise ValueError(f"training must be one of {', '.join(TRAINING)}, got {self.training!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         check_int("rounds", self.rounds, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
         check_int("seed", self.seed, minimum=0)
@@ -166,21 +178,23 @@ class PopulationWorkload(_Round):
                 f"V = {self.vocabulary:,}, Poisson B = {self.cohort:,}")
 
 
-def workloads(*, smoke: bool, rounds: int, paper_rounds: int,
-              training: str = "auto") -> list[HeavyTailWorkload | PopulationWorkload]:
+def workloads(*, smoke: bool, rounds: int, paper_rounds: int, training: str = "auto",
+              device: str = "cpu") -> list[HeavyTailWorkload | PopulationWorkload]:
     """The section's workloads in the order they run: A, C, then B (unless ``paper_rounds`` is 0), the largest
     last, since the memory a workload frees stays with this process (``clients.training.keep_freed_memory``)
-    and would be counted in the next one's peak; tiny ones with ``smoke``. ``training``: the engine's path."""
+    and would be counted in the next one's peak; tiny ones with ``smoke``. ``training``: the engine's path;
+    ``device``: where the engine and the direct implementation run."""
     check_int("rounds", rounds, minimum=1)
     check_int("paper_rounds", paper_rounds, minimum=0)
+    same = {"training": training, "device": device}
     if smoke:
-        a = HeavyTailWorkload(name="A", groups=3, largest=8, rounds=2, training=training)
-        c = PopulationWorkload(cohort=8, vocabulary=100, rounds=1, training=training)
-        b = HeavyTailWorkload(name="B", groups=4, largest=16, rounds=1, training=training)
+        a = HeavyTailWorkload(name="A", groups=3, largest=8, rounds=2, **same)
+        c = PopulationWorkload(cohort=8, vocabulary=100, rounds=1, **same)
+        b = HeavyTailWorkload(name="B", groups=4, largest=16, rounds=1, **same)
     else:
-        a = HeavyTailWorkload(name="A", groups=6, largest=256, rounds=rounds, training=training)
-        c = PopulationWorkload(rounds=rounds, training=training)
-        b = HeavyTailWorkload(name="B", groups=8, largest=1024, rounds=max(1, paper_rounds), training=training)
+        a = HeavyTailWorkload(name="A", groups=6, largest=256, rounds=rounds, **same)
+        c = PopulationWorkload(rounds=rounds, **same)
+        b = HeavyTailWorkload(name="B", groups=8, largest=1024, rounds=max(1, paper_rounds), **same)
     return [a, c] + ([b] if paper_rounds else [])
 
 
@@ -217,8 +231,8 @@ class AdamBCState:
     b: float
 
     @classmethod
-    def zeros(cls, dim: int) -> "AdamBCState":
-        return cls(0, torch.zeros(dim), torch.zeros(dim), 0.0)
+    def zeros(cls, dim: int, device: torch.device | str = "cpu") -> "AdamBCState":
+        return cls(0, torch.zeros(dim, device=device), torch.zeros(dim, device=device), 0.0)
 
 
 def adambc_update(state: AdamBCState, grad: torch.Tensor, phi: float, *, lr: float, beta1: float,
@@ -245,17 +259,20 @@ class DirectLinearRound:
         ``torch.Generator``),  g̃ = −(Σu + w)/B,  θ ← θ + :func:`adambc_update` (g̃, Φ = (σζ/B)²)
 
     Every user every round (sampler ``all``), as the engine's round with the same configuration. ``x``
-    (n × d) and ``y`` (n) are the users' examples stacked once, before any round is timed."""
+    (n × d) and ``y`` (n) are the users' examples stacked once, before any round is timed, and moved to the
+    workload's device with the model, the moments and the noise generator."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, workload: HeavyTailWorkload) -> None:
         if x.ndim != 2 or y.shape != (x.shape[0],):
             raise ValueError(f"x must be (n, d) and y (n,), got {tuple(x.shape)} and {tuple(y.shape)}")
-        self.x, self.y, self.workload = x, y, workload
+        self.device = torch.device(workload.device)
+        self.x, self.y, self.workload = x.to(self.device), y.to(self.device), workload
         self.shape = (num_classes, x.shape[1])
-        self.params = torch.zeros(num_classes * x.shape[1])  # the linear softmax model's zero initialization
-        self.state = AdamBCState.zeros(self.params.numel())
+        # the linear softmax model's zero initialization
+        self.params = torch.zeros(num_classes * x.shape[1], device=self.device)
+        self.state = AdamBCState.zeros(self.params.numel(), self.device)
         self.optimizer = workload.optimizer()
-        self.generator = torch.Generator().manual_seed(workload.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(workload.seed)
 
     @classmethod
     def of_task(cls, task: Task, workload: HeavyTailWorkload) -> "DirectLinearRound":
@@ -272,10 +289,12 @@ class DirectLinearRound:
         total, _ = linear_softmax_clipped_sum(self.params.view(self.shape), self.x, self.y, clip_norm=w.clip_norm,
                                               local_lr=w.local_lr)
         std = w.noise_multiplier * w.clip_norm
-        noisy = (total + std * torch.randn(total.numel(), generator=self.generator)) / len(self.y)
+        noise = torch.randn(total.numel(), generator=self.generator, device=self.device)
+        noisy = (total + std * noise) / len(self.y)
         step, self.state = adambc_update(self.state, -noisy, (std / len(self.y)) ** 2, lr=self.optimizer.lr,
                                          beta1=self.optimizer.beta1, beta2=self.optimizer.beta2)
         self.params = self.params + step
+        sync(self.device)
         return time.perf_counter() - started
 
 
@@ -319,6 +338,8 @@ class _Run:
     records: list[dict[str, Any]] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     direct: list[float] = field(default_factory=list)
+    gpu_peaks: list[int] = field(default_factory=list)
+    gpu_seconds: list[float] = field(default_factory=list)
 
 
 def _engine_rounds(task: Task, workload: HeavyTailWorkload | PopulationWorkload, *,
@@ -328,23 +349,35 @@ def _engine_rounds(task: Task, workload: HeavyTailWorkload | PopulationWorkload,
     resident bytes before the run."""
     privacy = workload.privacy()
     epsilon_schedule(privacy)  # the ε of every round, before the clock starts (the ledger reads the memo)
+    device = torch.device(workload.device)
+    cuda = device.type == "cuda"
     run = _Run()
     resettable = reset_peak_resident()
     before = _status_bytes("VmRSS") or 0
-    started = time.perf_counter()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    started = round_started = time.perf_counter()
 
     def on_round(record: dict[str, Any]) -> None:
+        nonlocal round_started
+        if cuda:  # the round's queued GPU work belongs to it
+            sync(device)
+            run.gpu_seconds.append(time.perf_counter() - round_started)
+            run.gpu_peaks.append(torch.cuda.max_memory_allocated(device))
         run.peaks.append(peak_resident_bytes())
         run.records.append(record)
         if between is not None:
             run.direct.append(between())
         reset_peak_resident()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         if max_seconds is not None and time.perf_counter() - started > max_seconds:
             raise _OutOfTime
+        round_started = time.perf_counter()
 
     try:
         engine.train(task, privacy, workload.optimizer(), workload.local(), seed=workload.seed, eval_every=0,
-                     device="cpu", training=workload.training, on_round=on_round)
+                     device=workload.device, training=workload.training, on_round=on_round)
     except _OutOfTime:
         pass
     return run, resettable, before
@@ -367,7 +400,7 @@ def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: fl
         model = task.build_model()
         run, resettable, before = _engine_rounds(task, workload, between=None if direct is None else direct.step,
                                                  max_seconds=max_seconds)
-    engine_seconds = [float(r["nonprivate_round_seconds"]) for r in run.records]
+    engine_seconds = run.gpu_seconds or [float(r["nonprivate_round_seconds"]) for r in run.records]
     users = [int(r["nonprivate_cohort_size"]) for r in run.records]
     result: dict[str, Any] = {
         "name": workload.name, "label": workload.label(), "population": task.num_users,
@@ -376,6 +409,7 @@ def measure(workload: HeavyTailWorkload | PopulationWorkload, *, max_seconds: fl
         "engine_round_seconds": engine_seconds, "users_per_round": users, "paths": sorted({_path(r) for r in run.records}),
         "engine": summarize(engine_seconds), "ms_per_user": 1e3 * sum(engine_seconds) / max(1, sum(users)),
         "peak_resident_bytes": max(run.peaks), "resident_before_bytes": before, "peak_reset_per_round": resettable,
+        "device": workload.device, "peak_gpu_bytes": max(run.gpu_peaks) if run.gpu_peaks else None,
         "direct_round_seconds": run.direct or None, "direct": summarize(run.direct) if run.direct else None,
         "ratio_to_direct": median_ratio(engine_seconds, run.direct),
     }
@@ -415,9 +449,10 @@ def format_small_users(r: dict[str, Any]) -> str:
                      "—" if w["direct"] is None else f"{w['direct']['median']:.3f}",
                      "—" if w["ratio_to_direct"] is None else f"{w['ratio_to_direct']:.1f}×",
                      f"{w['ms_per_user']:.3f}", gib(w["peak_resident_bytes"]), gib(w["resident_before_bytes"]),
-                     ",".join(w["paths"])])
+                     "—" if w.get("peak_gpu_bytes") is None else gib(w["peak_gpu_bytes"]),
+                     f"{','.join(w['paths'])} ({w.get('device', 'cpu')})"])
     header = ["workload", "users", "per round", "weights", "rounds", "engine round s", "direct round s",
-              "engine/direct", "engine ms/user", "peak GiB", "before GiB", "path"]
+              "engine/direct", "engine ms/user", "peak GiB", "before GiB", "GPU peak GiB", "path"]
     peaks = ("peak: the process's resident peak during the engine's rounds" if all(w["peak_reset_per_round"]
              for w in r["workloads"]) else "peak: the process's lifetime resident peak (no per-round reset here)")
     return (f"one torch thread, {r['cores']} cores, load average {r['load_before'][0]:.1f} before and "
@@ -456,10 +491,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-users-training", choices=TRAINING, default="auto",
                         help="small-users: the engine's training path (default auto: the engine's own choice; "
                              "sequential or vectorized force one, to compare)")
+    parser.add_argument("--small-users-device", choices=DEVICES, default="cpu",
+                        help="small-users: where the engine and the direct implementation run (default cpu; "
+                             "cuda: on the GPU, timed with the device synchronized)")
 
 
 def run_section(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """``--only small-users`` with the options of :func:`add_arguments`."""
     chosen = workloads(smoke=bool(args.smoke), rounds=args.small_users_rounds,
-                       paper_rounds=args.small_users_paper_rounds, training=args.small_users_training)
+                       paper_rounds=args.small_users_paper_rounds, training=args.small_users_training,
+                       device=args.small_users_device)
     return bench_small_users(chosen, max_seconds=args.small_users_max_seconds, log=log)

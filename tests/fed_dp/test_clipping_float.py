@@ -146,3 +146,26 @@ def test_honest_nodes_are_never_reclipped(dim):
     assert metrics["reclipped_replies"] == 0
     expected = sum(c.total.double() for c in contributions).float()
     assert torch.equal(summed, expected)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@CUDA
+@pytest.mark.parametrize("dim", [3_000_000, 100_000_000])
+@pytest.mark.parametrize("kind", ["random", "constant", "spike"])
+def test_a_clipped_update_on_cuda_is_within_zeta(kind, dim):
+    """The same bound with the norm and the product computed on the GPU (its reductions add in another order)."""
+    update, norm = _vector(kind, dim, seed=dim)
+    result = clip_update(update.cuda(), ZETA)
+    assert result.clipped and result.norm >= norm and result.update.device.type == "cuda"
+    _check_released(result.update, ZETA)
+
+
+@CUDA
+def test_every_row_of_a_cohort_on_cuda_is_within_zeta():
+    made = [_vector(kind, 20_000, seed=i) for i in range(24) for kind in ("random", "constant", "spike")]
+    clipped, norms = clip_rows(torch.stack([row for row, _ in made]).cuda(), ZETA)
+    for i, (_, norm) in enumerate(made):
+        assert float(norms[i]) >= norm
+        _check_released(clipped[i], ZETA)

@@ -17,14 +17,21 @@ from fed_dp.simulations.tasks.builtin import heavy_tail_task
 from fed_dp.simulations.cli import main as cli_main
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("local_lr", "training"), [(1.0, "auto"), (0.3, "auto"), (1.0, "sequential")])
-def test_direct_clipped_sum_equals_the_engines_contribution(local_lr, training):
+def test_direct_clipped_sum_equals_the_engines_contribution(local_lr, training, device):
     """Same users, same θ, same clip: the closed form (a ⊙ R)ᵀX equals LocalTrainer.contribution's Σu (the path
-    the engine chooses, and the sequential one), with some users clipped and some not."""
+    the engine chooses, and the sequential one), with some users clipped and some not, on each device."""
     task = heavy_tail_task(groups=3, largest=8, users=24, seed=1)
-    trainer = LocalTrainer(task, LocalTraining(steps=1, batch_size=64, lr=local_lr), device="cpu", training=training)
+    trainer = LocalTrainer(task, LocalTraining(steps=1, batch_size=64, lr=local_lr), device=device, training=training)
     theta = 0.3 * torch.randn(trainer.layout.size, generator=torch.Generator().manual_seed(0))
-    direct = small.DirectLinearRound.of_task(task, small.HeavyTailWorkload(groups=3, largest=8, local_lr=local_lr))
+    theta = theta.to(device)
+    direct = small.DirectLinearRound.of_task(task, small.HeavyTailWorkload(groups=3, largest=8, local_lr=local_lr,
+                                                                           device=device))
     _, norms = small.linear_softmax_clipped_sum(theta.view(direct.shape), direct.x, direct.y, clip_norm=1.0,
                                                 local_lr=local_lr)
     clip = float(norms.median())  # half of the users are clipped
@@ -34,7 +41,7 @@ def test_direct_clipped_sum_equals_the_engines_contribution(local_lr, training):
     result, _, _ = trainer.contribution(round_index=0, users=list(range(task.num_users)), params=theta,
                                         clip_norm=clip, scale=None, send_squares=False, seed=0)
     assert result.count == task.num_users
-    torch.testing.assert_close(result.total, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.total.cpu(), expected.cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_direct_adambc_steps_equal_the_engines_dp_adambc():
@@ -65,6 +72,9 @@ def test_workloads_are_the_issues_sizes_and_the_paper_size_can_be_skipped():
         "sequential"}
     with pytest.raises(ValueError, match="training must be one of auto, sequential, vectorized"):
         small.HeavyTailWorkload(training="fast")
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
+        small.HeavyTailWorkload(device="tpu")
+    assert {w.device for w in small.workloads(smoke=True, rounds=1, paper_rounds=1, device="cuda")} == {"cuda"}
     with pytest.raises(ValueError, match="paper_rounds must be an integer >= 0"):
         small.workloads(smoke=False, rounds=2, paper_rounds=-1)
 
@@ -104,5 +114,20 @@ def test_smoke_run_of_the_section(tmp_path):
     for w in rows.values():
         assert w["ms_per_user"] == pytest.approx(1e3 * sum(w["engine_round_seconds"]) / sum(w["users_per_round"]))
         assert w["peak_resident_bytes"] >= w["resident_before_bytes"] > 0
+        assert w["device"] == "cpu" and w["peak_gpu_bytes"] is None
     text = (out / "benchmark.txt").read_text()
     assert "engine/direct" in text and "StackOverflow-shaped" in text
+
+
+@CUDA
+def test_smoke_run_of_the_section_on_cuda(tmp_path):
+    """`--small-users-device cuda`: every workload on the GPU, timed with the device synchronized, the GPU's
+    peak allocation reported (positive: the model, data and moments live there)."""
+    out = tmp_path / "bench"
+    assert cli_main(["benchmark", "--only", "small-users", "--smoke", "--small-users-device", "cuda",
+                     "--out", str(out)]) == 0
+    rows = json.loads((out / "benchmark.json").read_text())["small-users"]["workloads"]
+    for w in rows:
+        assert w["device"] == "cuda" and w["peak_gpu_bytes"] > 0 and w["paths"] == ["one-step"]
+        assert len(w["engine_round_seconds"]) == w["rounds"]
+    assert "GPU peak GiB" in (out / "benchmark.txt").read_text()
