@@ -128,12 +128,6 @@ def run(home: Path, run_config: dict[str, Any], supernodes: int, *, client_cpus:
 
     ``flwr run --stream`` exits 0 even when the ServerApp fails: callers check the log or the results."""
     process = start(home, run_config, supernodes, client_cpus=client_cpus, app=app, environment=environment)
-    return finish(process, home, timeout)
-
-
-def finish(process: subprocess.Popen, home: Path, timeout: float = 240) -> str:
-    """Wait for a :func:`start`\ ed run (``FLWR_HOME`` ``home``) to end and clean up; returns its streamed log
-    (``TimeoutError`` after ``timeout`` s). Runs in their own homes may be started together and finished in turn."""
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

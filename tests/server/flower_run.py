@@ -14,9 +14,9 @@ from typing import Any
 
 from fed_dp.server import local_simulation
 from fed_dp.server.app import SERVER_SEED_VARIABLE
-from fed_dp.server.local_simulation import REPO, finish, flwr_env, stop_local_superlink, wait_for
+from fed_dp.server.local_simulation import REPO, flwr_env, stop_local_superlink, wait_for
 
-__all__ = ["REPO", "finish", "flwr_env", "run", "start", "stop_local_superlink", "wait_for"]
+__all__ = ["REPO", "flwr_env", "run", "start", "stop_local_superlink", "wait_for"]
 
 
 def _server_seed(run_config: dict[str, Any]) -> dict[str, str]:

@@ -100,28 +100,24 @@ def test_kill_and_resume_reaches_the_same_model_with_a_continued_ledger(tmp_path
     rounds = 60  # rounds take ~0.1 s once warm: enough of them to stop the run in the middle
     base = {**RUN, "privacy.rounds": rounds, "privacy.accountant": "rdp", "run.eval-every": 0}
     interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
-    home, straight_home = tmp_path / "home-a", tmp_path / "home-c"
-    # the uninterrupted run to compare with runs alongside (its own FLWR_HOME, local SuperLink and ports)
-    uninterrupted_run = flower_run.start(straight_home, {**base, "server.checkpoint-dir": str(straight)}, supernodes=2)
+    home = tmp_path / "home-a"
+    process = flower_run.start(home, {**base, "server.checkpoint-dir": str(interrupted)}, supernodes=2)
     try:
-        process = flower_run.start(home, {**base, "server.checkpoint-dir": str(interrupted)}, supernodes=2)
-        try:
-            def two_rounds_saved() -> bool:
-                payload = (interrupted / COMMIT_NAME).exists() and load_checkpoint(interrupted)
-                return bool(payload) and payload["state"]["round"] >= 2
+        def two_rounds_saved() -> bool:
+            payload = (interrupted / COMMIT_NAME).exists() and load_checkpoint(interrupted)
+            return bool(payload) and payload["state"]["round"] >= 2
 
-            flower_run.wait_for(two_rounds_saved, 180, "two checkpointed rounds")
-        finally:
-            flower_run.stop_local_superlink(home)  # the server dies mid-run
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        killed_at = load_checkpoint(interrupted)["state"]["round"]
-        assert 2 <= killed_at < rounds, "the kill must happen mid-run"
-
-        log = flower_run.run(tmp_path / "home-b", {**base, "server.checkpoint-dir": str(interrupted)}, supernodes=2)
-        assert f"resumed from {interrupted} at round {killed_at}" in log
+        flower_run.wait_for(two_rounds_saved, 180, "two checkpointed rounds")
     finally:
-        flower_run.finish(uninterrupted_run, straight_home)
+        flower_run.stop_local_superlink(home)  # the server dies mid-run
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    killed_at = load_checkpoint(interrupted)["state"]["round"]
+    assert 2 <= killed_at < rounds, "the kill must happen mid-run"
+
+    log = flower_run.run(tmp_path / "home-b", {**base, "server.checkpoint-dir": str(interrupted)}, supernodes=2)
+    assert f"resumed from {interrupted} at round {killed_at}" in log
+    flower_run.run(tmp_path / "home-c", {**base, "server.checkpoint-dir": str(straight)}, supernodes=2)
 
     resumed, uninterrupted = load_checkpoint(interrupted)["state"], load_checkpoint(straight)["state"]
     assert torch.equal(resumed["params"], uninterrupted["params"])
