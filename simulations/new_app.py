@@ -30,6 +30,11 @@ DEPENDENCIES_NOTE = """\
 # exits 0; listing torch would download it again for every run. List here only packages your task needs that the
 # environment lacks and the index has (flwr itself is always skipped)."""
 
+#: The template's settings that differ from fed-dp's defaults: its task, and a server learning rate at which
+#: DP-Adam learns task.py's example within the default 5 rounds (measured in process, σ = 1, ε 4.56: held-out
+#: accuracy 0.35 → 0.65; at the default 1e-3 the model stays where it started; 20 rounds reach 0.94 at ε 8.1).
+TEMPLATE_SETTINGS = {"task.ref": "task:make_task", "optimizer.lr": 0.05}
+
 SERVER_APP = '''\
 """ServerApp: fed-dp's user-level DP strategy in place of FedAvg.
 
@@ -151,7 +156,7 @@ def _check_name(name: str) -> str:
 def pyproject(name: str) -> str:
     """The app's pyproject.toml: [project] (see :data:`DEPENDENCIES_NOTE`), [tool.flwr.app] and its components,
     and every run-config key of the schema with its default, ``task.ref`` naming this app's task.py."""
-    defaults = {**flower_defaults({"users": "", "examples": ""}), "task.ref": "task:make_task"}
+    defaults = {**flower_defaults({"users": "", "examples": ""}), **TEMPLATE_SETTINGS}
     config = "\n".join(f"{key} = {format_run_config({key: value}).partition('=')[2]}" for key, value in defaults.items())
     return f'''# A Flower app using fed-dp (written by `fed-dp new`). Run it with `flwr run . --stream`.
 
@@ -174,8 +179,10 @@ clientapp = "client_app:app"
 # (its default connection, "local", runs Flower's simulation), and `flwr run` moves such a table there and comments
 # it out here. The local simulation's size: flwr run . --federation-config "num-supernodes=4".
 
-# Every fed-dp setting with its default (fed_dp.run_config). A Flower run config cannot leave a key out, so unset
-# keys hold their unset value (0, -1 or ""). Override any with --run-config "privacy.rounds=10 local.lr=0.05".
+# Every fed-dp setting with its default (fed_dp.run_config), except task.ref (task.py's make_task) and optimizer.lr
+# (0.05: DP-Adam's default 1e-3 barely moves task.py's example model in 5 rounds; retune it for your task). A Flower
+# run config cannot leave a key out, so an unset key holds "". Override any with
+# --run-config "privacy.rounds=10 local.lr=0.05".
 [tool.flwr.app.config]
 {config}
 '''
