@@ -30,9 +30,10 @@ import copy
 import functools
 import importlib.metadata
 import json
+import re
 import sys
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -275,12 +276,12 @@ class RunConfig:
         return cls(
             task=_task_settings(tables.get("task", {})),
             privacy=privacy,
-            optimizer=OptimizerSettings(**values["optimizer"]),
-            local=LocalTraining(**values["local"]),
+            optimizer=_built("optimizer", OptimizerSettings, values["optimizer"]),
+            local=_built("local", LocalTraining, values["local"]),
             adaptive=_adaptive(values["adaptive"], privacy),
-            server=ServerSettings(**values["server"]),
-            client=ClientSettings(**values["client"]),
-            run=RunSettings(**values["run"]),
+            server=_built("server", ServerSettings, values["server"]),
+            client=_built("client", ClientSettings, values["client"]),
+            run=_built("run", RunSettings, values["run"]),
         )
 
     @classmethod
@@ -333,7 +334,24 @@ def _privacy(values: dict[str, Any]) -> PrivacyConfig:
             f"{values['target_epsilon']} are both set: give one (in a Flower run config, set "
             "privacy.noise-multiplier=\"\" to calibrate σ for the target ε)"
         )
-    return PrivacyConfig(**values)
+    return _built("privacy", PrivacyConfig, values)
+
+
+def _built(table: str, section: Callable[..., Any], values: dict[str, Any]) -> Any:
+    """``section(**values)``, where a ValueError that names a field by its Python name (``noise_multiplier``)
+    names the config key instead (``privacy.noise-multiplier``): the reader of a config error edits keys. A name
+    without an underscore is rewritten only after its table's name (``local steps``): ``rounds`` or ``delta`` are
+    also plain words of a message."""
+    try:
+        return section(**values)
+    except ValueError as error:
+        message = str(error)
+        for name in sorted(values, key=len, reverse=True):
+            prefix = f"(?:{table} )?" if "_" in name else f"{table} "  # "local steps" is a field too
+            message = re.sub(rf"(?<![\w.-]){prefix}{name}(?![\w-])", f"{table}.{name.replace('_', '-')}", message)
+        if message == str(error):
+            raise
+        raise ValueError(message) from error
 
 
 def _adaptive(values: dict[str, Any], privacy: PrivacyConfig) -> AdaptiveSettings:

@@ -153,9 +153,12 @@ def _run_audit(args: argparse.Namespace) -> None:
 
     if args.with_training and args.mechanism_only:
         raise ValueError("--with-training and --mechanism-only exclude each other; give one (the default: mechanism only)")
-    result = audit_config(_simulation_config(args), canaries=args.canaries, confidence=args.confidence,
-                          optimizer=args.optimizer, mechanism_only=not args.with_training,
-                          noise_scale=args.noise_scale)
+    config = _setting_up("reading the config", lambda: _simulation_config(args))
+    try:
+        result = audit_config(config, canaries=args.canaries, confidence=args.confidence, optimizer=args.optimizer,
+                              mechanism_only=not args.with_training, noise_scale=args.noise_scale)
+    except FileNotFoundError as error:  # a task's data missing: say where to put it, as `fed-dp simulate` does
+        raise ValueError(f"building the task: {type(error).__name__}: {error}") from error
     rows = [row for row in result.rows() if args.threat_model in ("both", row["threat_model"])]
     result.results = {row["threat_model"]: result.results[row["threat_model"]] for row in rows}
     result.scores = {name: result.scores[name] for name in result.results}

@@ -121,18 +121,18 @@ def test_a_flower_run_config_override_replaces_an_unset_key():
 
 
 @pytest.mark.parametrize("flat, message", [
-    ({"privacy.noise-multiplier": -1.0}, "noise_multiplier must be a finite number >= 0, got -1.0"),
-    ({"privacy.noise-multiplier": "", "privacy.target-epsilon": 0.0}, "target_epsilon must be a finite number > 0"),
-    ({"privacy.num-users": 0}, "num_users must be an integer >= 1"),
+    ({"privacy.noise-multiplier": -1.0}, "privacy.noise-multiplier must be a finite number >= 0, got -1.0"),
+    ({"privacy.noise-multiplier": "", "privacy.target-epsilon": 0.0}, "privacy.target-epsilon must be a finite number > 0"),
+    ({"privacy.num-users": 0}, "privacy.num-users must be an integer >= 1"),
     ({"privacy.buffers": 0}, "buffers = 0 only applies to noise 'blt'"),
-    ({"privacy.sampler": "min-sep", "privacy.max-participations": 0}, "max_participations must be an integer >= 1"),
-    ({"privacy.epsilon-budget": 0.0}, "epsilon_budget must be a finite number > 0"),
+    ({"privacy.sampler": "min-sep", "privacy.max-participations": 0}, "privacy.max-participations must be an integer >= 1"),
+    ({"privacy.epsilon-budget": 0.0}, "privacy.epsilon-budget must be a finite number > 0"),
     ({"optimizer.lr": 0.0}, "lr must be a finite number > 0"),
     ({"optimizer.beta1": -1.0}, r"beta1 must be in \[0, 1\)"),
-    ({"optimizer.name": "dp-adamw", "optimizer.weight-decay": -1.0}, "weight_decay must be a finite number >= 0"),
-    ({"optimizer.name": "dp-adambc", "optimizer.bc-floor": 0.0}, "bc_floor"),
-    ({"local.steps": 0}, "local steps must be an integer >= 1"),
-    ({"local.max-examples": 0}, "local max_examples must be an integer >= 1"),
+    ({"optimizer.name": "dp-adamw", "optimizer.weight-decay": -1.0}, "optimizer.weight-decay must be a finite number >= 0"),
+    ({"optimizer.name": "dp-adambc", "optimizer.bc-floor": 0.0}, "optimizer.bc-floor"),
+    ({"local.steps": 0}, "local.steps must be an integer >= 1"),
+    ({"local.max-examples": 0}, "local.max-examples must be an integer >= 1"),
     ({"adaptive.enabled": True, "adaptive.bit-noise-std": 0.0}, "bit_noise_std must be a finite number > 0"),
     ({"client.chunk-size": 0}, "client.chunk-size must be an integer >= 1"),
     ({"run.seed": -1}, "run.seed must be an integer >= 0"),
@@ -218,9 +218,9 @@ def test_defaults_and_unset_values():
     ({"privacy.colour": 1}, "unknown key.*privacy.colour"),
     ({"privacy.rounds": 2.5}, "privacy.rounds must be int"),
     ({"privacy.noise-multiplier": 1.2, "privacy.target-epsilon": 3.0}, "both set"),
-    ({"privacy.expected-cohort": 0}, "expected_cohort must be an integer >= 1"),
-    ({"local.lr": -1.0}, "local lr"),
-    ({"local.steps": 3, "local.epochs": 2}, "epochs or local steps"),
+    ({"privacy.expected-cohort": 0}, "privacy.expected-cohort must be an integer >= 1"),
+    ({"local.lr": -1.0}, "local.lr must be"),
+    ({"local.steps": 3, "local.epochs": 2}, "local.epochs or local.steps"),
     ({"server.reply-timeout": 0.0}, "server.reply-timeout"),
     ({"run.eval-every": -1}, "run.eval-every"),
     ({"optimizer.momentum": 0.9}, "momentum"),  # dp-adam has no momentum: the optimizer says so
@@ -285,3 +285,19 @@ def test_without_registered_tasks_the_error_says_to_reinstall(monkeypatch, fresh
     with pytest.raises(ValueError, match=r"no task names are registered .*reinstall it \(pip install -e \."):
         TaskSettings(ref="heavy-tail")
     assert TaskSettings(ref="my_tasks:make").target == "my_tasks:make"
+
+
+@pytest.mark.parametrize(("tables", "message"), [
+    ({"privacy": {"noise-multiplier": -1.0}}, "privacy.noise-multiplier must be a finite number >= 0, got -1.0"),
+    ({"privacy": {"noise-multiplier": -1.0}}, "give privacy.target-epsilon to have σ calibrated"),
+    ({"privacy": {"clip-norm": -2.0}}, "privacy.clip-norm must be a finite number > 0"),
+    ({"local": {"batch-size": 0}}, "error: local.batch-size must be an integer >= 1, got 0"),
+])
+def test_a_bad_value_in_a_config_is_named_by_its_key(tables, message):
+    """The sections' own checks name Python fields (noise_multiplier, for fed_dp.train's callers); read from a config
+    they name the key to edit. The Python names stay for the Python API."""
+    with pytest.raises(ValueError) as error:
+        RunConfig.from_tables(tables)
+    assert message.removeprefix("error: ") in str(error.value) and "_" not in str(error.value).split(" must")[0]
+    with pytest.raises(ValueError, match="noise_multiplier must be"):
+        PrivacyConfig(num_users=10, expected_cohort=5, rounds=1, noise_multiplier=-1.0, delta=1e-5)

@@ -173,3 +173,13 @@ def test_config_keys_the_audit_does_not_act_on_are_refused(setting, refused, cap
     with pytest.raises(SystemExit) as stopped:
         cli_main(["audit", "--task", "fed_dp.simulations.tasks.builtin:heavy_tail_task", *sets, "--canaries", "20"])
     assert stopped.value.code == 2 and refused in capsys.readouterr().err
+
+
+def test_a_dataset_that_is_not_there_is_one_line_saying_where_to_put_it(tmp_path, capsys):
+    """As `fed-dp simulate` does: exit 2 and the loader's message (which folder, what to put there), no traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(["audit", "--config", "femnist", "--set", f"task.root={json.dumps(str(tmp_path / 'none'))}",
+                  "--set", "privacy.rounds=1", "--canaries", "20"])
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and error.count("\n") == 1, error
+    assert "building the task: FileNotFoundError" in error and str(tmp_path / "none") in error
