@@ -614,9 +614,8 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
     ``num_users`` is the task's population N; it fills ``config.num_users`` when that is None and must
     equal it otherwise. With ``target_epsilon``, σ is calibrated now (:func:`calibrate_noise_multiplier`:
     the smallest σ whose T-round ε at δ is at most the target) and the result carries that σ, with
-    ``target_epsilon`` cleared; BLT noise planned for min-separation 1 is warned about first
-    (:func:`warn_unamplified_blt`, with the σ of the plans that fit). A config that is already resolved is
-    returned as it is.
+    ``target_epsilon`` cleared. BLT noise planned for min-separation 1 is warned about first, whether σ is
+    calibrated or given (:func:`warn_unamplified_blt`, with the σ of the plans that fit for the same ε).
     """
     if num_users is not None:
         if config.num_users is not None and config.num_users != num_users:
@@ -628,8 +627,9 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
             config = config.replace(num_users=num_users)
     if config.num_users is None:
         raise ValueError("the population size is unknown: give num_users (the number of users of the task)")
-    if config.target_epsilon is not None:
+    if config.noise_multiplier != 0:  # calibrated or given: the same plan costs the same (σ = 0 is not private)
         warn_unamplified_blt(config)  # where a σ of, say, 91 would be chosen for it
+    if config.target_epsilon is not None:
         sigma = calibrate_noise_multiplier(config, config.target_epsilon)
         config = config.replace(target_epsilon=None, noise_multiplier=sigma)
     return config

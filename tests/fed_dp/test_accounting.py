@@ -677,6 +677,20 @@ def test_blt_with_separation_1_is_warned_about_naming_the_samplers_that_fit_and_
             f"by sampling): sigma = {poisson:.4g}") in text
 
 
+def test_blt_with_separation_1_and_a_given_sigma_is_warned_about_for_its_own_epsilon(tmp_path, monkeypatch):
+    """With σ given instead of a target ε, the same plan is warned about, for the ε that σ gives."""
+    from fed_dp.accounting import UnamplifiedBLTWarning, calibrate_noise_multiplier, resolve_privacy
+
+    monkeypatch.setenv("FED_DP_CACHE_DIR", str(tmp_path))
+    config = _unamplified_blt().replace(target_epsilon=None, noise_multiplier=20.0)
+    with pytest.warns(UnamplifiedBLTWarning) as caught:
+        assert resolve_privacy(config) == config
+    own = epsilon(config)
+    min_sep = calibrate_noise_multiplier(config.replace(sampler="min-sep"), own)
+    assert (f"so epsilon {own:.4g} at delta 1e-05 needs sigma = 20. For the same epsilon: sampler 'min-sep' "
+            f"(separation N // B = 20): sigma = {min_sep:.4g}") in str(caught[0].message)
+
+
 def test_blt_with_a_separation_above_1_is_not_warned_about(tmp_path, monkeypatch, recwarn):
     from fed_dp.accounting import UnamplifiedBLTWarning, resolve_privacy, unamplified_blt_advice
 
