@@ -144,9 +144,10 @@ class LocalTrainer:
         try:
             return self.users[user]
         except Exception as error:
-            raise UserTrainingError(round_index + 1, user, self._id(user), error) from error
+            raise UserTrainingError(round_index + 1, user, self.user_id(user), error) from error
 
-    def _id(self, user: int) -> Any:
+    def user_id(self, user: int) -> Any:
+        """The id of the user at sampler index ``user`` (the index itself when the task has no ids)."""
         ids = self.task.users.ids
         return ids[user] if 0 <= user < len(ids) else user
 
@@ -158,9 +159,9 @@ class LocalTrainer:
             try:
                 contribution([(user, data)], work, vectorized=False)
             except Exception as alone:
-                return UserTrainingError(work.round_index + 1, user, self._id(user), alone)
+                return UserTrainingError(work.round_index + 1, user, self.user_id(user), alone)
         user = examples[0][0] if examples else -1
-        return UserTrainingError(work.round_index + 1, user, self._id(user), error)
+        return UserTrainingError(work.round_index + 1, user, self.user_id(user), error)
 
 
 def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] | None = None) -> Message:

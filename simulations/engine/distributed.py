@@ -30,14 +30,16 @@ import torch
 import torch.distributed as dist
 
 from fed_dp.clients.node import LocalTrainer
-from fed_dp.contribution import Contribution, RoundPlan
+from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 from fed_dp.round_loop import RoundReplies
 
 log = logging.getLogger(__name__)
 
 _STOP, _ROUND = 0.0, 1.0
-#: Σ over ranks of: users trained, users not clipped, loss·n, norm·n, users clipped, failed ranks, vectorized
-_STATS = 7
+#: Σ over ranks of: users trained, users not clipped, loss·n, norm·n, users clipped, failed ranks, vectorized;
+#: then the smallest user whose loading or training failed on any rank (∞: none)
+_STATS = 8
+_FAILED_USER = 7
 
 
 @dataclass(frozen=True)
@@ -92,30 +94,37 @@ def _train_share(workers: Workers, trainer: LocalTrainer, round_index: int, coho
     total = torch.zeros_like(params, device=workers.device)
     squares = torch.zeros_like(total) if send_squares else None
     stats = torch.zeros(_STATS, dtype=torch.float64, device=workers.device)
+    stats[_FAILED_USER] = math.inf  # reduced with MIN: the smallest failed user of any rank
     if not users:
         return total, squares, stats
     try:
         result, metrics, path = trainer.contribution(
             round_index=round_index, users=users, params=params, clip_norm=clip_norm, scale=scale,
             send_squares=send_squares, seed=seed, source="simulation")
-    except Exception:  # reported to rank 0 through the reduce; the traceback stays in this rank's log
+    except Exception as error:  # reported to rank 0 through the reduce; the traceback stays in this rank's log
         log.exception("rank %d: training users %s... failed in round %d", workers.rank, users[:5], round_index + 1)
         stats[5] = 1.0
+        if isinstance(error, UserTrainingError):
+            stats[_FAILED_USER] = error.user
         return total, squares, stats
     n = result.count
     total = result.total.to(workers.device)
     squares = None if result.total_squares is None else result.total_squares.to(workers.device)
     stats.copy_(torch.tensor([n, n if result.unclipped is None else result.unclipped,
                               metrics["train_loss"] * n, metrics["mean_update_norm"] * n,
-                              metrics["fraction_clipped"] * n, 0.0, float(path == "vectorized") * n],
+                              metrics["fraction_clipped"] * n, 0.0, float(path == "vectorized") * n, math.inf],
                              dtype=torch.float64))
     return total, squares, stats
 
 
 def _reduce(total: torch.Tensor, squares: torch.Tensor | None, stats: torch.Tensor) -> None:
+    """Sums to rank 0; the failed-user slot of ``stats`` by its minimum (every rank makes the same calls)."""
+    failed_user = stats[_FAILED_USER:].clone()
     for tensor in (total, squares, stats):
         if tensor is not None:
             dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM)
+    dist.reduce(failed_user, dst=0, op=dist.ReduceOp.MIN)
+    stats[_FAILED_USER:] = failed_user
 
 
 def exchange_round(workers: Workers, trainer: LocalTrainer, plan: RoundPlan, seed: int) -> RoundReplies:
@@ -134,10 +143,13 @@ def exchange_round(workers: Workers, trainer: LocalTrainer, plan: RoundPlan, see
     total, squares, stats = _train_share(workers, trainer, plan.round, cohort.cpu(), params, plan.clip_norm, scale,
                                          plan.send_squares, seed)
     _reduce(total, squares, stats)
-    n, unclipped, loss, norm, clipped, failed, vectorized = stats.tolist()
+    n, unclipped, loss, norm, clipped, failed, vectorized, failed_user = stats.tolist()
     if failed:
-        raise RuntimeError(f"{int(failed)} of the {workers.world} ranks failed to train their users in round "
-                           f"{plan.round + 1}; the traceback is in their logs")
+        failure = RuntimeError(f"{int(failed)} of the {workers.world} ranks failed to train their users in round "
+                               f"{plan.round + 1}; the traceback is in their logs")
+        if math.isfinite(failed_user):  # a user's loading or training failed: the run stops with the model so far
+            raise UserTrainingError(plan.round + 1, int(failed_user), trainer.user_id(int(failed_user)), failure)
+        raise failure
     count = int(n)
     mean = (lambda x: x / count) if count else (lambda x: math.nan)
     result = Contribution(total.cpu(), count, None if squares is None else squares.cpu(), source="simulation",
