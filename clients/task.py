@@ -205,9 +205,29 @@ class Users:
         for lazy ones."""
         if self._examples is not None:
             moved = Users(self._ids, self._load)
-            moved._examples = tuple(ex.to(device, memory_format) for ex in self._examples)
+            moved._examples = _moved_together(self._examples, torch.device(device), memory_format)
             return moved
         return Users(self._ids, lambda uid: Examples.of(self._load(uid), user=uid).to(device, memory_format))
+
+
+def _moved_together(examples: tuple[Examples, ...], device: torch.device,
+                    memory_format: torch.memory_format) -> tuple[Examples, ...]:
+    """Every user's examples on ``device``. Users of one structure (field count, keys, dtypes, shapes after the
+    first dimension) travel as one tensor per field, concatenated, moved in one copy and split back into each
+    user's rows (views of it): one host-to-device copy per field instead of one per user and field (8,192 users of
+    seed 003's paper-size task: 16,384 copies, 0.27 s on an H200's host). Users of differing structures are moved
+    one by one. Values, shapes and dtypes are those of :meth:`Examples.to` either way."""
+    first = examples[0]
+    alike = all(ex.keys == first.keys and len(ex.fields) == len(first.fields) and all(
+        t.dtype == u.dtype and t.shape[1:] == u.shape[1:] and t.device == u.device
+        for t, u in zip(ex.fields, first.fields)) for ex in examples)
+    if len(examples) == 1 or not alike or all(t.device == device for t in first.fields):
+        return tuple(ex.to(device, memory_format) for ex in examples)
+    sizes = [len(ex) for ex in examples]
+    together = Examples(tuple(torch.cat([ex.fields[f] for ex in examples]) for f in range(len(first.fields))),
+                        first.keys).to(device, memory_format)
+    parts = [t.split(sizes) for t in together.fields]
+    return tuple(Examples(tuple(p[i] for p in parts), first.keys) for i in range(len(examples)))
 
 
 def _require_examples(examples: Examples, user: Hashable) -> Examples:

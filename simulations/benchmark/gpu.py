@@ -21,22 +21,35 @@ from fed_dp.simulations.tasks.builtin import w1_task
 GPU_MODELS = {"w1-cnn": models.w1_cnn, "cifar-cnn": models.cifar_cnn}
 
 
-def transfer_summary(events: Iterable[tuple[str, int]], rounds: int) -> dict[str, float]:
-    """Host-to-device copies and stream/device synchronizations per round, from a CUDA profile's
-    (event name, count) pairs (``torch.profiler`` names them ``Memcpy HtoD (...)``, ``cudaStreamSynchronize``,
+def _counts(events: Iterable[tuple[str, int]]) -> tuple[int, int]:
+    """Host-to-device copies and stream/device synchronizations among a CUDA profile's (event name, count)
+    pairs (``torch.profiler`` names them ``Memcpy HtoD (...)``, ``cudaStreamSynchronize``,
     ``cudaDeviceSynchronize``)."""
+    events = list(events)
     copies = sum(count for name, count in events if name.startswith("Memcpy HtoD"))
     syncs = sum(count for name, count in events if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
-    return {"h2d_copies_per_round": copies / rounds, "syncs_per_round": syncs / rounds}
+    return copies, syncs
 
 
-def _profile_rounds(run: Callable[[], Any], rounds: int) -> dict[str, float]:
-    """:func:`transfer_summary` of ``run`` (``rounds`` engine rounds) under the CUDA profiler."""
+def transfer_summary(run: Iterable[tuple[str, int]], rounds: int,
+                     one_round: Iterable[tuple[str, int]]) -> dict[str, float]:
+    """Host-to-device copies and synchronizations per round: the profile of a run of ``rounds`` (≥ 2) rounds
+    less that of a run of one round, over ``rounds`` − 1, so that the work both runs do once (moving every
+    user's data to the device, building the model) is not counted as a round's."""
+    if rounds < 2:
+        raise ValueError(f"per-round transfers need a run of at least 2 rounds, got {rounds}")
+    (copies, syncs), (copies_1, syncs_1) = _counts(run), _counts(one_round)
+    return {"h2d_copies_per_round": (copies - copies_1) / (rounds - 1),
+            "syncs_per_round": (syncs - syncs_1) / (rounds - 1)}
+
+
+def _profile(run: Callable[[], Any]) -> list[tuple[str, int]]:
+    """(event name, count) of ``run`` under the CUDA profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
-    return transfer_summary(((e.key, e.count) for e in prof.key_averages()), rounds)
+    return [(e.key, e.count) for e in prof.key_averages()]
 
 
 def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, log=print) -> dict[str, Any]:
@@ -57,7 +70,9 @@ def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, l
     for name, build in GPU_MODELS.items():
         task = replace(data, model=build)
         engine = lambda: engine_run(task, privacy, spec.training(), seed=spec.seed, vectorized=True, device=device)  # noqa: E731
-        engine_run(task, replace(privacy, rounds=1), spec.training(), seed=spec.seed, vectorized=True, device=device)
+        one_round = lambda: engine_run(task, replace(privacy, rounds=1), spec.training(), seed=spec.seed,  # noqa: E731
+                                       vectorized=True, device=device)
+        one_round()  # warm-up
         if resolved.type == "cuda":
             torch.cuda.reset_peak_memory_stats(resolved)
         result = engine()
@@ -73,7 +88,7 @@ def bench_gpu(spec: W1Spec, users: int, cohort: int, rounds: int, device: str, l
             limit = plain_training_seconds(task, cohorts, training, device=device, staged=True)
             row[f"limit_{label}_users_per_second"] = result["users"] / limit
             row[f"ratio_to_limit_{label}"] = row["users_per_second"] / row[f"limit_{label}_users_per_second"]
-        row.update(_profile_rounds(engine, rounds) if resolved.type == "cuda" else
+        row.update(transfer_summary(_profile(engine), rounds, _profile(one_round)) if resolved.type == "cuda" else
                    {"h2d_copies_per_round": None, "syncs_per_round": None})
         log(f"  {name}: engine {row['users_per_second']:.0f} users/s, limit {row['limit_all_users_per_second']:.0f} "
             f"(batch = a round's examples) and {row['limit_1024_users_per_second']:.0f} (batch 1,024) users/s")

@@ -146,3 +146,29 @@ def test_held_out_evaluation_weights_batches_by_their_size():
     with torch.no_grad():
         result = evaluation.held_out((tokens,), losses.next_token, perplexity=True)(lm)
     assert result["eval_perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
+
+
+def _as_moved_one_by_one(users: Users, device: str) -> list[Examples]:
+    return [users.in_memory_examples[i].to(device) for i in range(len(users))]
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_users_of_one_structure_move_to_a_device_as_one_tensor_per_field(device):
+    # Alike users travel together (one copy per field) and come back as views of it, in the shapes, dtypes and keys
+    # (and on CUDA the values) of a move one user at a time; users of different structures still move one by one.
+    torch.manual_seed(0)
+    alike = Users.in_memory([{"x": torch.randn(n, 3, 4, 4), "y": torch.arange(n)} for n in (1, 3, 2)])
+    mixed = Users.in_memory([(torch.randn(2, 3),), (torch.randn(2, 5),)])
+    for users in (alike, mixed):
+        moved = [users.to(device)[i] for i in range(len(users))]
+        for got, want in zip(moved, _as_moved_one_by_one(users, device)):
+            assert got.keys == want.keys
+            for g, w in zip(got.fields, want.fields):
+                assert (g.shape, g.dtype, g.device, g.stride()) == (w.shape, w.dtype, w.device, w.stride())
+                if device == "cuda":
+                    assert torch.equal(g.cpu(), w.cpu())
+    moved_alike, moved_mixed = alike.to(device), mixed.to(device)
+    together = [moved_alike[i].fields[0] for i in range(3)]
+    assert together[0]._base is not None and all(t._base is together[0]._base for t in together)
+    assert all(moved_mixed[i].fields[0]._base is None for i in range(2))

@@ -155,6 +155,16 @@ def test_second_moment_summary_large_vector_path_matches_numpy():
     assert summary["fraction_nu_hat_below_phi"] == pytest.approx(float((x < 0.25).mean()), abs=1e-15)
 
 
+@pytest.mark.parametrize("n", [1234, 1_000_001])
+def test_second_moment_summary_of_float32_values_equals_that_of_their_float64_copy(n):
+    # the selection runs in float32 for float32 values: the order statistics, and so every quantile, must be
+    # exactly those of the same values in float64 (both interpolation paths: n ≤ 10⁶ and beyond)
+    gen = torch.Generator().manual_seed(n)
+    nu = torch.rand(n, generator=gen) ** 3
+    assert nu.dtype == torch.float32
+    assert second_moment_summary(nu, 0.01) == second_moment_summary(nu.double(), 0.01)
+
+
 # --- alignment ratio --------------------------------------------------------------------------------------
 def test_alignment_ratio_identical_full_norm_updates_is_one():
     clip, users, dim = 0.8, 7, 50

@@ -162,7 +162,11 @@ def test_the_gpu_section_measures_the_engine_against_the_limit_on_any_device():
 
 
 def test_transfer_summary_counts_host_to_device_copies_and_synchronizations_per_round():
-    events = [("Memcpy HtoD (Pageable -> Device)", 30), ("Memcpy HtoD (Pinned -> Device)", 10),
-              ("Memcpy DtoH (Device -> Pageable)", 7), ("cudaStreamSynchronize", 8), ("cudaDeviceSynchronize", 2),
-              ("aten::add", 100)]
-    assert gpu.transfer_summary(events, rounds=2) == {"h2d_copies_per_round": 20.0, "syncs_per_round": 5.0}
+    # a 3-round run against a 1-round run: the setup both do (here 4,000 copies of users' data and 1 sync) cancels
+    run = [("Memcpy HtoD (Pageable -> Device)", 4_030), ("Memcpy HtoD (Pinned -> Device)", 10),
+           ("Memcpy DtoH (Device -> Pageable)", 7), ("cudaStreamSynchronize", 9), ("cudaDeviceSynchronize", 2),
+           ("aten::add", 100)]
+    one_round = [("Memcpy HtoD (Pageable -> Device)", 4_010), ("cudaStreamSynchronize", 3), ("aten::add", 40)]
+    assert gpu.transfer_summary(run, 3, one_round) == {"h2d_copies_per_round": 15.0, "syncs_per_round": 4.0}
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        gpu.transfer_summary(run, 1, one_round)
