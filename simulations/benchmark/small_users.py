@@ -7,7 +7,7 @@ implementation on the GPU, one CPU thread driving it):
     1,536 users of one example each (``tasks.builtin.heavy_tail_task`` with users = n), a linear softmax model
     of 1,792 × 63 (112,896 weights), every user every round (sampler ``all``, B = N), one local SGD step at
     lr 1 over the user's examples (``LocalTraining(steps=1, batch_size=64)``), ζ = 1, independent Gaussian
-    noise with σ = 10, DP-AdamBC on the server (lr 0.003, the shipped ``seed003-heavy-tail`` config's).
+    noise with σ = 10, DP-AdamBC on the server (lr 0.003, γ = Φ̂).
 ``B`` the paper's size, G = 8, L = 1,024
     The same round with 8,192 users, d = 9,216, c = 255 (2,350,080 weights), plus the peak resident memory.
     A round takes seconds on the one-step path, minutes sequentially: ``--small-users-paper-rounds`` sets its
