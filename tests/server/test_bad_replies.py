@@ -41,14 +41,15 @@ def _server_app(checkpoint_dir: Path, outcome: dict) -> ServerApp:
 def _simulate(tmp_path, monkeypatch, client_app_name: str) -> dict:
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
-    # Ray's worker processes import the test ClientApps from this folder.
+    # Ray's worker processes import the test ClientApps from this folder; one worker (2 of Ray's 2 CPUs) serves the
+    # four virtual nodes one after another: what a round computes does not depend on how many workers there are.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(tmp_path)
     import faulty_client
 
     outcome: dict = {}
     run_simulation(server_app=_server_app(tmp_path / "ckpt", outcome), client_app=getattr(faulty_client, client_app_name),
-                   num_supernodes=4, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                   num_supernodes=4, backend_config={"client_resources": {"num_cpus": 2, "num_gpus": 0.0},
                                                      "init_args": {"num_cpus": 2, "include_dashboard": False}})
     return outcome
 
