@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fed_dp.clients.node_service import NODE_CONFIG_KEY
-from fed_dp.server.local_simulation import REPO, format_run_config, free_port
+from fed_dp.server.local_simulation import REPO, bundle_folder, format_run_config, free_port
 from fed_dp.server.submit import RunOutcome, outcome, run_details
 
 __all__ = ["Deployment", "Process", "deployment", "executable", "format_node_config", "tail"]
@@ -297,17 +297,20 @@ class Deployment:
     # --- runs ----------------------------------------------------------------------------------------------
 
     def submit(self, run_config: dict[str, Any], *, fed_dp: bool = False, app: Path = REPO) -> Process:
-        """Start ``flwr run . <federation> --stream --run-config ...`` in ``app`` (default: the repository root, the
-        project's app); ``fed_dp``: ``fed-dp submit <federation> --run-config ...`` instead (its exit status says
-        whether the run completed)."""
+        """Start ``flwr run . <federation> --stream --run-config ...`` for the Flower app folder ``app`` (default:
+        the repository root, the project's app), from a folder holding only what ``flwr run`` bundles of it
+        (:func:`~fed_dp.server.local_simulation.bundle_folder`: the same app, without Flower's CLI listing the
+        ~48,000 files of a ``.venv`` inside the project, ~2.7 CPU seconds a run); ``fed_dp``: ``fed-dp submit
+        <federation> --run-config ...`` instead (its exit status says whether the run completed)."""
         overrides = format_run_config(run_config)
+        folder = bundle_folder(app, self.folder / f"bundle-{len(self.runs)}")
         command = ([executable("fed-dp"), "submit", self.federation, "--run-config", overrides] if fed_dp else
                    [executable("flwr"), "run", ".", self.federation, "--stream", "--run-config", overrides])
         log = self.folder / "logs" / f"flwr-run-{len(self.runs)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as out:
             popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=app, env=self._env(self._cli_home), start_new_session=True)
+                                     cwd=folder, env=self._env(self._cli_home), start_new_session=True)
         self.runs.append(Process("flwr-run", popen, log))
         return self.runs[-1]
 
