@@ -215,3 +215,26 @@ def test_the_public_api_resolves():
 
     for name in fed_dp.__all__:
         assert getattr(fed_dp, name) is not None, name
+
+
+def test_following_the_run_config_to_the_first_round_never_climbs_a_layer():
+    """At run time (``tests/follow_config.py``): from ``fed-dp simulate`` to the first private round, no function
+    that receives a configuration object is called from a layer below its own — a climb the import test cannot see
+    (an object or callback handed down). The trip itself is printed for the record."""
+    import follow_config
+
+    stops = follow_config.follow(["heavy-tail-quick", "--set", "privacy.rounds=1", "--set",
+                                  'run.optimizers=["dp-adam"]', "--set", "run.eval-every=0"])
+    named = follow_config.functions(stops)
+    assert ("fed_dp.accounting", "calibrate_noise_multiplier") in named and ("fed_dp.round", "init_server") in named
+    assert [s for s in stops if s.climbs] == []
+    print(f"{len(named)} functions in {len({m for m, _ in named})} files receive the config on the way")
+
+
+def test_the_follow_counts_a_call_from_a_lower_layer_as_a_climb():
+    import follow_config
+
+    assert follow_config.Stop("fed_dp.simulations.cli", "main", "fed_dp.round_loop").climbs
+    assert not follow_config.Stop("fed_dp.accounting", "epsilon", "fed_dp.simulations.cli").climbs
+    assert not follow_config.Stop("fed_dp.clients.task", "build_task", "fed_dp.clients.node").climbs
+    assert follow_config.layer("flwr.app") is None and follow_config.layer("fed_dp.server.app") == 2
