@@ -601,13 +601,6 @@ def unamplified_blt_advice(config: PrivacyConfig) -> str | None:
             ". Use one of those (or cyclic-poisson with bands > 1)")
 
 
-def warn_unamplified_blt(config: PrivacyConfig) -> None:
-    """Warn (:class:`UnamplifiedBLTWarning`) when :func:`unamplified_blt_advice` has advice for ``config``."""
-    advice = unamplified_blt_advice(config)
-    if advice is not None:
-        warnings.warn(advice, UnamplifiedBLTWarning, stacklevel=3)
-
-
 def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> PrivacyConfig:
     """The config with its population and σ filled in: what samplers, noise and accounting run on.
 
@@ -615,7 +608,8 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
     equal it otherwise. With ``target_epsilon``, σ is calibrated now (:func:`calibrate_noise_multiplier`:
     the smallest σ whose T-round ε at δ is at most the target) and the result carries that σ, with
     ``target_epsilon`` cleared. BLT noise planned for min-separation 1 is warned about first, whether σ is
-    calibrated or given (:func:`warn_unamplified_blt`, with the σ of the plans that fit for the same ε).
+    calibrated or given (:class:`UnamplifiedBLTWarning` with :func:`unamplified_blt_advice`: the σ of the plans
+    that fit for the same ε).
     """
     if num_users is not None:
         if config.num_users is not None and config.num_users != num_users:
@@ -627,8 +621,9 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
             config = config.replace(num_users=num_users)
     if config.num_users is None:
         raise ValueError("the population size is unknown: give num_users (the number of users of the task)")
-    if config.noise_multiplier != 0:  # calibrated or given: the same plan costs the same (σ = 0 is not private)
-        warn_unamplified_blt(config)  # where a σ of, say, 91 would be chosen for it
+    advice = unamplified_blt_advice(config) if config.noise_multiplier != 0 else None  # σ = 0 is not private
+    if advice is not None:  # calibrated or given, the same plan costs the same: say so before a σ of, say, 91 runs
+        warnings.warn(advice, UnamplifiedBLTWarning, stacklevel=2)
     if config.target_epsilon is not None:
         sigma = calibrate_noise_multiplier(config, config.target_epsilon)
         config = config.replace(target_epsilon=None, noise_multiplier=sigma)

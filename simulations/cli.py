@@ -71,7 +71,7 @@ def _run_simulation(args: argparse.Namespace) -> None:
     out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
     experiment = _setting_up("checking the config", lambda: parse_experiment(config))
     task = _setting_up("building the task", lambda: build_task(experiment.base.task))
-    workers = _join_torchrun(config)
+    workers = _join_torchrun(experiment.base.client.device)
     leader = workers is None or workers.leader  # under torchrun only rank 0 reports and writes
     try:
         quiet = args.quiet or not leader
@@ -120,14 +120,14 @@ def _stopped_line(command: str, stop: Any, out: Path) -> str:
             f"{' and '.join(where) or 'not saved'}; the records so far: {out}/rounds-<optimizer>.jsonl")
 
 
-def _join_torchrun(config: dict):
-    """Under ``torchrun``, this process's place in a new process group (``fed_dp.simulations.engine.distributed``):
-    every rank trains a share of each cohort, rank 0 runs the round loop. None when run as one process."""
+def _join_torchrun(device: str):
+    """Under ``torchrun``, this process's place in a new process group (``fed_dp.simulations.engine.distributed``) on
+    ``device`` (``client.device`` of the config): every rank trains a share of each cohort, rank 0 runs the round
+    loop. None when run as one process."""
     from fed_dp.clients.training import resolve_device
     from fed_dp.simulations.engine.distributed import join_from_environment
-    from fed_dp.simulations.experiments.runner import parse_experiment
 
-    return join_from_environment(resolve_device(parse_experiment(config).base.client.device))
+    return join_from_environment(resolve_device(device))
 
 
 def _simulation_config(args: argparse.Namespace) -> dict:
@@ -322,7 +322,7 @@ def _run_node_service(args: argparse.Namespace) -> int:
 
 
 def _benchmark_arguments(parser: argparse.ArgumentParser) -> None:
-    from fed_dp.simulations.benchmark.command import build_parser as benchmark_parser
+    from fed_dp.simulations.benchmark.arguments import build_parser as benchmark_parser
 
     benchmark_parser(parser)
 
