@@ -18,12 +18,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fed_dp.accounting import (calibrate_noise_multiplier, checked_epsilon, compute_epsilon_schedule, epsilon,
-                               unamplified_blt_advice)
-from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
-from fed_dp.run_config import DEFAULTS
-from fed_dp.sampling import dp_event, guarantee, neighboring_relation
+from fed_dp.schema import keys_of
+
+# The accounting (torch, dp_accounting) is imported by the commands that use it, so that ``fed-dp --help`` and a
+# mistyped argument answer at once.
+
+#: The privacy table's defaults, read from the schema as the run configuration's are.
+PRIVACY_DEFAULTS = {key.dotted: key.default for key in keys_of("privacy", PrivacyConfig)}
 
 _SAMPLER_HELP = (
     "user sampler: poisson (each user with q = B/N; default), without-replacement (exactly B of N; "
@@ -46,14 +48,14 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
             help="sigma: noise std on the sum of clipped updates divided by the clip norm",
         )
     group.add_argument("--delta", type=float, required=True, metavar="D", help="delta of (epsilon, delta)")
-    group.add_argument("--sampler", choices=SAMPLERS, default=DEFAULTS["privacy.sampler"], help=_SAMPLER_HELP)
+    group.add_argument("--sampler", choices=SAMPLERS, default=PRIVACY_DEFAULTS["privacy.sampler"], help=_SAMPLER_HELP)
     group.add_argument(
-        "--noise", choices=NOISES, default=DEFAULTS["privacy.noise"],
+        "--noise", choices=NOISES, default=PRIVACY_DEFAULTS["privacy.noise"],
         help="independent Gaussian (default), bandmf (banded matrix factorization) or blt (buffered linear "
         "Toeplitz; needs --buffers); the correlated ones need --sampler cyclic-poisson or min-sep",
     )
     group.add_argument(
-        "--bands", type=int, default=DEFAULTS["privacy.bands"], metavar="b",
+        "--bands", type=int, default=PRIVACY_DEFAULTS["privacy.bands"], metavar="b",
         help="bands of the BandMF strategy = groups of cyclic-poisson = required min-separation (default 1)",
     )
     group.add_argument(
@@ -61,16 +63,16 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
         help="buffers of the BLT strategy (--noise blt; its sensitivity, hence epsilon, depends on them)",
     )
     group.add_argument(
-        "--workload", choices=WORKLOADS, default=DEFAULTS["privacy.workload"],
+        "--workload", choices=WORKLOADS, default=PRIVACY_DEFAULTS["privacy.workload"],
         help="workload the BLT is optimized for (prefix-sum, or momentum with --momentum); BLT only changes epsilon",
     )
-    group.add_argument("--momentum", type=float, default=DEFAULTS["privacy.momentum"], metavar="mu",
+    group.add_argument("--momentum", type=float, default=PRIVACY_DEFAULTS["privacy.momentum"], metavar="mu",
                        help="momentum of the momentum workload")
     group.add_argument(
         "--max-participations", type=int, default=None, metavar="k",
         help="min-sep only: participations per user to account for (default: ceil(T / (N // B)))",
     )
-    group.add_argument("--accountant", choices=ACCOUNTANTS, default=DEFAULTS["privacy.accountant"],
+    group.add_argument("--accountant", choices=ACCOUNTANTS, default=PRIVACY_DEFAULTS["privacy.accountant"],
                        help="pld (default, tighter) or rdp")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -95,10 +97,14 @@ def _config(args: argparse.Namespace, noise_multiplier: float) -> PrivacyConfig:
 
 def _blt_sensitivity(config: PrivacyConfig) -> float | None:
     """sens_T of the config's BLT (its event is Gaussian(σ/sens_T)); None for the other noises."""
+    from fed_dp.blt import config_sensitivity_squared
+
     return math.sqrt(config_sensitivity_squared(config)[-1]) if config.noise == "blt" else None
 
 
 def _summary(config: PrivacyConfig) -> dict[str, Any]:
+    from fed_dp.sampling import dp_event, guarantee, neighboring_relation
+
     return {
         "accountant": config.accountant,
         "sampler": config.sampler,
@@ -119,6 +125,8 @@ def _summary(config: PrivacyConfig) -> dict[str, Any]:
 
 
 def _print_text(config: PrivacyConfig, headline: str) -> None:
+    from fed_dp.sampling import guarantee
+
     print(headline)
     print(f"  sampler     {config.sampler}, rate {config.sampling_rate:.6g}, "
           f"adjacency: {guarantee(config)}")
@@ -172,12 +180,16 @@ class _Progress:
 
 def _warn_unamplified_blt(command: str, config: PrivacyConfig) -> None:
     """On stderr, before the answer: what fits better than BLT planned for min-separation 1 (one line)."""
+    from fed_dp.accounting import unamplified_blt_advice
+
     advice = unamplified_blt_advice(config)
     if advice is not None:
         print(f"fed-dp {command}: warning: {advice}", file=sys.stderr, flush=True)
 
 
 def _run_epsilon(args: argparse.Namespace) -> None:
+    from fed_dp.accounting import checked_epsilon, compute_epsilon_schedule
+
     if args.noise_multiplier == 0:
         raise ValueError("noise_multiplier (--noise-multiplier) = 0 adds no noise: its ε is infinite and there is "
                          "nothing to account. Give the σ of a private run (σ = 0 is for a non-private baseline in "
@@ -208,6 +220,8 @@ def _run_epsilon(args: argparse.Namespace) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:
+    from fed_dp.accounting import calibrate_noise_multiplier, epsilon
+
     config = _config(args, 1.0)
     _warn_unamplified_blt("calibrate", config.replace(noise_multiplier=None, target_epsilon=args.epsilon))
     sigma = calibrate_noise_multiplier(config, args.epsilon)

@@ -84,14 +84,12 @@ from typing import Any
 import torch
 
 from fed_dp.simulations.benchmark.accounting import bench_accounting, format_accounting
+from fed_dp.simulations.benchmark.arguments import SECTIONS, build_parser
 from fed_dp.simulations.benchmark.deployment import bench_deployment, format_deployment
 from fed_dp.simulations.benchmark.gpu import bench_gpu, format_gpu
 from fed_dp.simulations.benchmark.noise import bench_noise, bench_secure_noise, format_noise, format_secure_noise
 from fed_dp.simulations.benchmark.scaling import bench_scaling, format_scaling
 from fed_dp.simulations.benchmark.w1 import W1Spec, bench_w1, format_w1
-
-SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users", "paths")
-
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
     """W1 medians with min–max whiskers and the ratio to flower-dp; when measured, the cohort scaling."""
@@ -136,25 +134,6 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="fed-dp benchmark")
-    parser.add_argument("--runs", type=int, default=3, help="runs of every W1 system and scaling point (default 3)")
-    parser.add_argument("--only", default=",".join(SECTIONS), metavar="A,B",
-                        help=f"sections to run, from {','.join(SECTIONS)} (default: all; gpu only with CUDA)")
-    parser.add_argument("--no-flower", action="store_true", help="skip the Flower systems of W1 (no Ray, no flwr run)")
-    parser.add_argument("--out", metavar="DIR", help="where to save benchmark.json and benchmark.png "
-                        "(default: results/benchmark-<time>)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes, one run: checks that every section works (seconds, not a measurement)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one Flower run (default 600)")
-    from fed_dp.simulations.benchmark.small_users import add_arguments as small_users_arguments
-
-    small_users_arguments(parser)
-    parser.add_argument("--paths-rounds", type=int, default=4, metavar="R",
-                        help="paths: rounds per workload and path, the first left out as warm-up (default 4)")
-    return parser
 
 
 def run(args: argparse.Namespace, log=print) -> dict[str, Any]:

@@ -64,18 +64,13 @@ from fed_dp.clipping import clip_factor
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.optimizers import Adam, make_optimizer
 from fed_dp.simulations.engine import inprocess as engine
+from fed_dp.simulations.benchmark.arguments import DEVICES, TRAINING
 from fed_dp.simulations.benchmark.measure import summarize, sync, table, timed, torch_threads
 from fed_dp.simulations.tasks.builtin import STACKOVERFLOW_USERS, heavy_tail_task, stackoverflow_like_task
 from fed_dp.validation import check_int, check_positive
 
-__all__ = ["AdamBCState", "DirectLinearRound", "HeavyTailWorkload", "PopulationWorkload", "add_arguments",
+__all__ = ["AdamBCState", "DirectLinearRound", "HeavyTailWorkload", "PopulationWorkload",
            "adambc_update", "bench_small_users", "format_small_users", "linear_softmax_clipped_sum", "workloads"]
-
-
-#: The engine's training paths (``LocalTrainer``'s ``training``): its own choice, or one forced.
-TRAINING = ("auto", "sequential", "vectorized")
-#: Where the engine and the direct implementation run.
-DEVICES = ("cpu", "cuda")
 
 
 # --- workloads ----------------------------------------------------------------------------------------------
@@ -460,44 +455,8 @@ def format_small_users(r: dict[str, Any]) -> str:
             f"{peaks} (before: resident before the engine started)\n" + table(header, rows))
 
 
-def _count_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            return check_int("the number of rounds", int(text), minimum=minimum)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(f"{error}: {text!r}") from None
-
-    return parse
-
-
-def _seconds_cap(text: str) -> float:
-    try:
-        return check_positive("the wall-time cap in seconds", float(text))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The section's options of ``fed-dp benchmark`` (checked when the command line is read)."""
-    parser.add_argument("--small-users-rounds", type=_count_at_least(1), default=5, metavar="R",
-                        help="small-users: rounds of workloads A (heavy-tail G = 6, L = 256) and C (StackOverflow-"
-                             "shaped) (default 5)")
-    parser.add_argument("--small-users-paper-rounds", type=_count_at_least(0), default=1, metavar="R",
-                        help="small-users: rounds of workload B, seed 003's size G = 8, L = 1,024 (seconds per round on "
-                             "the one-step path, minutes on the sequential one; default 1; 0 skips it)")
-    parser.add_argument("--small-users-max-seconds", type=_seconds_cap, default=None, metavar="S",
-                        help="small-users: end a workload after the round that passes S seconds (at least one "
-                             "round runs; default: no cap)")
-    parser.add_argument("--small-users-training", choices=TRAINING, default="auto",
-                        help="small-users: the engine's training path (default auto: the engine's own choice; "
-                             "sequential or vectorized force one, to compare)")
-    parser.add_argument("--small-users-device", choices=DEVICES, default="cpu",
-                        help="small-users: where the engine and the direct implementation run (default cpu; "
-                             "cuda: on the GPU, timed with the device synchronized)")
-
-
 def run_section(args: argparse.Namespace, log=print) -> dict[str, Any]:
-    """``--only small-users`` with the options of :func:`add_arguments`."""
+    """``--only small-users`` with its options (``fed_dp.simulations.benchmark.arguments``)."""
     chosen = workloads(smoke=bool(args.smoke), rounds=args.small_users_rounds,
                        paper_rounds=args.small_users_paper_rounds, training=args.small_users_training,
                        device=args.small_users_device)
