@@ -186,10 +186,14 @@ class ServerSettings:
         _check(self.noise_source in NOISE_SOURCES,
                f"server.noise-source must be {', '.join(NOISE_SOURCES)}, got {self.noise_source!r}")
 
-    @property
-    def chosen_noise_source(self) -> str | None:
-        """The noise source to ask for: None for auto (each engine's default), else the one named."""
-        return None if self.noise_source == "auto" else self.noise_source
+
+def resolve_noise_source(chosen: str, *, flower_run: bool, seeded: bool) -> str:
+    """The noise source ``server.noise-source = chosen`` means for an engine: the one named, or for auto "secure"
+    in a Flower run without a server seed and "torch" otherwise (a simulation, or a seeded research run)."""
+    _check(chosen in NOISE_SOURCES, f"noise source must be one of {', '.join(NOISE_SOURCES)}, got {chosen!r}")
+    if chosen != "auto":
+        return chosen
+    return "secure" if flower_run and not seeded else "torch"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,7 +59,7 @@ def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
         seed=server_seed(environ), training_seed=run.run.seed, checkpoint_dir=run.server.checkpoint_dir,
         eval_every=run.run.eval_every, max_empty_rounds=run.server.max_empty_rounds,
         min_nodes=run.server.min_nodes, node_wait=run.server.node_wait,
-        noise_source=run.server.chosen_noise_source,
+        noise_source=run.server.noise_source,
     )
 
 

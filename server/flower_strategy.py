@@ -73,7 +73,7 @@ from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
 from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
-from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS
+from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
 
 log = logging.getLogger("fed_dp.server")
 
@@ -178,8 +178,8 @@ class UserLevelDP(Strategy):
         waits at most ``node_wait`` seconds for them, then stops with ``NotEnoughNodesError`` (resumable).
     on_round: called with each round's record.
     noise_source: where the Gaussian noise comes from (``fed_dp.randomness``): ``"secure"`` (AES-CTR keyed from OS
-        entropy, whatever the seed), ``"torch"`` (a seeded generator: reproducible, for research), or ``None``
-        (default): secure unless a seed is given.
+        entropy, whatever the seed), ``"torch"`` (a seeded generator: reproducible, for research), or ``"auto"``
+        (``server.noise-source``'s default): secure unless a seed is given.
     """
 
     def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name, *,
@@ -187,7 +187,7 @@ class UserLevelDP(Strategy):
                  training_seed: int | None = None, checkpoint_dir: str | None = SERVER_DEFAULTS.checkpoint_dir,
                  eval_every: int = RUN_DEFAULTS.eval_every, max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
                  min_nodes: int = SERVER_DEFAULTS.min_nodes, node_wait: float = SERVER_DEFAULTS.node_wait,
-                 on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str | None = None) -> None:
+                 on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str = SERVER_DEFAULTS.noise_source) -> None:
         super().__init__()
         if not isinstance(privacy, PrivacyConfig):
             raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
@@ -215,9 +215,7 @@ class UserLevelDP(Strategy):
         self.reply_timeout = SERVER_DEFAULTS.reply_timeout
         self.slowest_full_round = 0.0  # seconds of the slowest exchange in which every asked node replied
         self._grid: Grid | None = None
-        self.noise_source = noise_source if noise_source is not None else "secure" if seed is None else "torch"
-        if self.noise_source not in ("secure", "torch"):
-            raise ValueError(f"noise_source must be 'secure', 'torch' or None, got {noise_source!r}")
+        self.noise_source = resolve_noise_source(noise_source, flower_run=True, seeded=seed is not None)
         # the clients' seed for their local shuffles: independent of the sampler's and the noise's
         shared = training_seed if training_seed is not None else seed
         self.client_seed = derive_seed(shared, "local-training") if shared is not None else entropy_seed()

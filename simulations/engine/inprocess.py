@@ -41,7 +41,7 @@ from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import Contribution, RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
-from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS
+from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
 from fed_dp.simulations.engine.progress import RoundProgress
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
@@ -99,7 +99,7 @@ def train(
     max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = False,
-    noise_source: str = "torch",
+    noise_source: str = SERVER_DEFAULTS.noise_source,
     on_phase: Callable[[str, int], None] | None = None,
 ) -> TrainResult:
     """Train ``task`` with user-level DP in this process; returns the model, ε and one record per round.
@@ -118,7 +118,8 @@ def train(
     device / training / chunk_size: where and how users train (``LocalTrainer``).
     checkpoint_dir: save every round there and resume from it.
     on_round: called with every round's record; ``progress``: show a progress bar.
-    noise_source: ``"torch"`` (seeded: reproducible) or ``"secure"`` (AES-CTR from OS entropy; needs seed=None).
+    noise_source: ``"torch"`` (seeded: reproducible), ``"secure"`` (AES-CTR from OS entropy; needs seed=None) or
+        ``"auto"`` (``server.noise-source``'s default: torch in a simulation).
     on_phase: called at each phase boundary of a round (``fed_dp.round_loop.PHASES``).
 
     Records: one per released round t = 1 … T (``"round": t``), preceded, when the task evaluates, by the record
@@ -156,7 +157,7 @@ def train(
             return _worker_result(workers, model, layout, served)
         privacy = resolve_privacy(privacy, task.num_users)
         state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
-                            noise_source=noise_source)
+                            noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None))
 
         def exchange(plan: RoundPlan) -> RoundReplies:
             if workers is not None:

@@ -236,7 +236,7 @@ def run_experiment(
                            seed=seeds.privacy, training_seed=seeds.training, eval_every=run.run.eval_every,
                            device=run.client.device, training=run.client.training,
                            chunk_size=run.client.chunk_size, on_round=on_round,
-                           noise_source=run.server.chosen_noise_source or "torch",
+                           noise_source=run.server.noise_source,
                            checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
                            max_empty_rounds=run.server.max_empty_rounds)
         except TrainingStopped as stop:

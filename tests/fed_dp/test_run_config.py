@@ -23,7 +23,8 @@ from fed_dp.round_loop import run_rounds
 from fed_dp.run_config import SECTIONS as SCHEMA_SECTIONS
 from fed_dp.run_config import (DEFAULTS, KEYS, TABLES, TASK_GROUP, AdaptiveSettings, ClientSettings, RunConfig,
                                RunSettings, ServerSettings, TaskSettings, apply_overrides, flower_defaults,
-                               flower_table, reference_markdown, registered_tasks, unflatten)
+                               flower_table, reference_markdown, registered_tasks, resolve_noise_source,
+                               unflatten)
 from fed_dp.schema import UNSET
 from fed_dp.server.flower_strategy import UserLevelDP
 from fed_dp.simulations.audit import run_audit
@@ -149,10 +150,11 @@ CLIENT_KEYS = {"device": "client.device", "training": "client.training", "chunk_
 LOOP_KEYS = {"eval_every": "run.eval-every", "max_empty_rounds": "server.max-empty-rounds"}
 #: The public signatures whose defaults are run defaults: parameter → key.
 SIGNATURES = {
-    fed_dp.train: {"optimizer": "optimizer.name", **LOOP_KEYS, **CLIENT_KEYS},
+    fed_dp.train: {"optimizer": "optimizer.name", **LOOP_KEYS, **CLIENT_KEYS, "noise_source": "server.noise-source"},
     run_rounds: LOOP_KEYS,
     UserLevelDP.__init__: {"optimizer": "optimizer.name", "checkpoint_dir": "server.checkpoint-dir", **LOOP_KEYS,
-                           "min_nodes": "server.min-nodes", "node_wait": "server.node-wait"},
+                           "min_nodes": "server.min-nodes", "node_wait": "server.node-wait",
+                           "noise_source": "server.noise-source"},
     UserLevelDP.start: {"timeout": "server.reply-timeout"},
     LocalTrainer.__init__: CLIENT_KEYS,
     run_audit: {"training": "client.training", "chunk_size": "client.chunk-size"},
@@ -168,6 +170,32 @@ def test_public_signatures_default_to_the_schema(function, parameter, key):
     (``SERVER_DEFAULTS.max_empty_rounds``, ...): a Python caller and a run config get the same run."""
     defaults = {k.dotted: k.default for k in KEYS}
     assert inspect.signature(function).parameters[parameter].default == defaults[key]
+
+
+@pytest.mark.parametrize("chosen, flower_run, seeded, source", [
+    ("auto", True, False, "secure"),   # a deployment: noise keyed from OS entropy
+    ("auto", True, True, "torch"),     # a seeded research run on Flower: reproducible noise
+    ("auto", False, False, "torch"),   # a simulation
+    ("auto", False, True, "torch"),
+    ("secure", False, False, "secure"), ("torch", True, False, "torch"),
+])
+def test_auto_noise_source_is_secure_only_in_an_unseeded_flower_run(chosen, flower_run, seeded, source):
+    """server.noise-source's help says what auto means; the one function that decides it for every engine."""
+    assert resolve_noise_source(chosen, flower_run=flower_run, seeded=seeded) == source
+
+
+def test_the_engines_resolve_auto_noise_as_the_help_says():
+    """fed_dp.train and UserLevelDP take "auto" by default: torch noise in a simulation, secure noise in an unseeded
+    Flower run (torch when seeded); a name that is not a source is refused, naming the choices."""
+    assert UserLevelDP(PrivacyConfig(num_users=10, expected_cohort=2, rounds=2, noise_multiplier=1.0,
+                                     delta=1e-5)).noise_source == "secure"
+    assert UserLevelDP(PrivacyConfig(num_users=10, expected_cohort=2, rounds=2, noise_multiplier=1.0, delta=1e-5),
+                       seed=3).noise_source == "torch"
+    with pytest.raises(ValueError, match="noise source must be one of auto, secure, torch, got 'urandom'"):
+        UserLevelDP(PrivacyConfig(num_users=10, expected_cohort=2, rounds=2, noise_multiplier=1.0, delta=1e-5),
+                    noise_source="urandom")
+    with pytest.raises(ValueError, match="noise source must be one of auto, secure, torch, got None"):
+        resolve_noise_source(None, flower_run=False, seeded=False)
 
 
 def test_the_accounting_cli_defaults_are_the_schemas():
