@@ -11,6 +11,7 @@ from digits import make_task
 
 import fed_dp
 from fed_dp import LocalTraining, PrivacyConfig
+from fed_dp.simulations.engine.distributed import leave_torchrun
 
 
 def main(users: int = 100, rounds: int = 100, seed: int = 0, out: str | None = None) -> fed_dp.TrainResult:
@@ -40,3 +41,4 @@ if __name__ == "__main__":
     parser.add_argument("--out")
     args = parser.parse_args()
     main(args.users, args.rounds, args.seed, args.out)
+    leave_torchrun()  # exit without PyTorch's C++ teardown, which now and then aborts a finished gloo rank

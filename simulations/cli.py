@@ -18,7 +18,6 @@ task at user-level ε = 4.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -94,17 +93,9 @@ def _run_simulation(args: argparse.Namespace) -> None:
             figures = plot_all(read_results(out), out)
             print("figures: " + ", ".join(str(f) for f in figures))
     if workers is not None:
-        _leave_torchrun()
+        from fed_dp.simulations.engine.distributed import leave_torchrun
 
-
-def _leave_torchrun() -> None:
-    """End a torchrun rank whose work is done and whose process group is destroyed: flush the output and exit at
-    once. An ordinary interpreter exit runs PyTorch's C++ teardown, which now and then aborted a finished rank
-    ("terminate called without an active exception", exit code -6: torchrun then reports the run as failed though
-    every result was written)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        leave_torchrun()
 
 
 def _stopped_line(command: str, stop: Any, out: Path) -> str:

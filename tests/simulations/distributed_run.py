@@ -11,6 +11,7 @@ from torch import nn
 
 import fed_dp
 from fed_dp import LocalTraining, PrivacyConfig, Task, Users, losses
+from fed_dp.simulations.engine.distributed import leave_torchrun
 
 
 def make_task(users: int = 24, poisoned_user: int | None = None) -> Task:
@@ -46,3 +47,4 @@ if __name__ == "__main__":
                     "state": result.state is not None}, f"{args.out}.{dist.get_rank()}")
     finally:
         dist.destroy_process_group()
+    leave_torchrun()
