@@ -22,6 +22,7 @@ core is a top-level folder of the repository that installs under another name (p
 
 Core modules (docs/explanation/mechanism.md):
     config             PrivacyConfig (sampler, noise and accounting from one object), LocalTraining
+    schema             a setting of the run configuration (key, type, default, help), written on the dataclasses
     run_config         the one run-configuration schema: every key, its type, default and meaning
     flat               ParamLayout — a model update as one float32 vector and back
     clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
@@ -35,10 +36,16 @@ Core modules (docs/explanation/mechanism.md):
     optimizers         server optimizers as pure transforms: DP-FedAvg/SGD, DP-Adam(BC/W/W-BC), IME, STP, AdaGrad
     moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation
     diagnostics        ν̂ / ν̂ − Φ̂ summaries and update alignment (the seeds' figures)
+    clip_hint          whether the clip norm ζ sits far above the released updates (costs no privacy)
     context            simulation vs deployment; non-private baselines only in simulations
+    contribution       RoundPlan (what a round broadcasts) and Contribution (what a node sends back)
     round              the one private round: init_server, begin_round, finish_round (every engine)
     round_loop         the one round loop of every engine: budget, checkpoints, evaluation, results.json
+    records            the keys of a round's record (the docs' table is generated from them)
     checkpoint         atomic checkpoints of the server state and resuming from them
+    randomness         OS entropy, independent derived seeds, the Gaussian noise sources
+    audit              the statistics of the one-run privacy audit (ε estimate and lower bound)
+    cli                the accounting commands of fed-dp (epsilon, calibrate)
     validation, atomic shared argument checks, atomic file writes
 """
 

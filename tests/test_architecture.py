@@ -199,6 +199,22 @@ def test_each_top_level_folder_says_first_which_import_name_it_is(folder):
     assert first.startswith(f"{PACKAGE[folder]} — the folder {folder}/, layer {LAYERS[folder][1]} of 4"), first
 
 
+def test_every_module_is_named_on_the_architecture_page_and_the_core_ones_in_the_facade():
+    """A newcomer finds each file's concept from the architecture page's module list (docs/explanation/
+    architecture.md) and the core's from ``fed_dp/__init__``'s: a module added without a line there fails here."""
+    page = (ROOT / "docs" / "explanation" / "architecture.md").read_text(encoding="utf-8")
+    listing = page[page.index("Module by module:"):].split("```")[1]
+    facade = ast.get_docstring(ast.parse((ROOT / "fed_dp" / "__init__.py").read_text(encoding="utf-8")))
+    core = facade[facade.index("Core modules"):]
+    named = set(re.findall(r"\w+", listing))
+    for path in _modules():
+        if path.name != "__init__.py":
+            assert path.stem in named, f"{path.relative_to(ROOT)} is not named in the architecture page's module list"
+    for path in sorted((ROOT / "fed_dp").glob("*.py")):
+        if path.name != "__init__.py":
+            assert path.stem in set(re.findall(r"\w+", core)), f"fed_dp/{path.name} is not in fed_dp/__init__'s list"
+
+
 def test_every_package_is_installed():
     """A non-editable install ships only the packages pyproject.toml lists: every folder with an ``__init__``
     (subpackages included) is listed, each where package-dir says."""

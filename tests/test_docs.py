@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from docs_examples import DOCS, ROOT, blocks, console_examples, numbers_differ, run_fed_dp
+from docs_examples import DOCS, ROOT, console_examples, numbers_differ, run_fed_dp
 
 PAGES = sorted(DOCS.rglob("*.md"))
 EXAMPLES = [(page.relative_to(DOCS).as_posix(), command, expected)
