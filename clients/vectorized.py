@@ -65,6 +65,7 @@ from fed_dp.clipping import clip_rows
 from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.contribution import Contribution
+from fed_dp.validation import check_int
 
 log = logging.getLogger("fed_dp.clients")
 
@@ -290,8 +291,7 @@ def _checked(users: Sequence[UserExamples], work: LocalRound, chunk_size: int | 
     layout = work.layout
     if chunk_size is None:
         chunk_size = auto_chunk_size(layout.size, budget_bytes=chunk_budget_bytes(work.params.device))
-    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     _check_layout(work.model, layout)
     params = work.params.detach()
     if params.ndim != 1 or params.numel() != layout.size:

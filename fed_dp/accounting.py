@@ -40,6 +40,7 @@ from dp_accounting.pld import privacy_loss_distribution
 
 from fed_dp.config import PrivacyConfig
 from fed_dp.sampling import dp_event, neighboring_relation
+from fed_dp.validation import check_int
 
 #: Smallest σ that calibration considers; a target ε reachable only below it is refused.
 MIN_CALIBRATED_NOISE = 1e-2
@@ -128,8 +129,7 @@ def pld_exact_rounds(rounds: int) -> tuple[int, ...]:
     1, 2, …, min(T, PLD_DENSE_ROUNDS), then ⌈r·PLD_ROUND_RATIO⌉ from the last one on, and T: about
     10 + log(T/10)/log(1.25) rounds (41 for T = 10,000). Between two of them, the next one's ε is reported.
     """
-    if not (isinstance(rounds, int) and rounds >= 1):
-        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    rounds = check_int("rounds", rounds, minimum=1)
     exact = list(range(1, min(rounds, PLD_DENSE_ROUNDS) + 1))
     while exact[-1] < rounds:
         exact.append(min(rounds, max(exact[-1] + 1, math.ceil(exact[-1] * PLD_ROUND_RATIO))))

@@ -30,6 +30,7 @@ import torch
 
 from fed_dp.config import PrivacyConfig
 from fed_dp.randomness import make_noise_source
+from fed_dp.validation import check_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,8 +88,7 @@ class AdaptiveClipper:
 
     def __init__(self, config: AdaptiveClipConfig, expected_cohort: int, seed: int | None = None,
                  source: str = "torch") -> None:
-        if not (isinstance(expected_cohort, int) and expected_cohort >= 1):
-            raise ValueError(f"expected_cohort must be an integer >= 1, got {expected_cohort!r}")
+        expected_cohort = check_int("expected_cohort", expected_cohort, minimum=1)
         self.config = config
         self.expected_cohort = expected_cohort
         self.clip_norm = float(config.initial_clip_norm)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from fed_dp.noise import Privatizer
+from fed_dp.validation import check_int
 
 
 def _check_cohort(expected_cohort: int) -> None:
-    if not (isinstance(expected_cohort, int) and expected_cohort >= 1):
-        raise ValueError(f"expected_cohort (B) must be an integer >= 1, got {expected_cohort!r}")
+    expected_cohort = check_int("expected_cohort (B)", expected_cohort, minimum=1)
 
 
 def private_average(

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from fed_dp.validation import check_int
+
 __all__ = ["gaussian_fit_epsilon", "gdp_delta", "gdp_epsilon", "lower_bound_cap", "lower_bound_verdict",
            "mechanism_test", "one_run_lower_bound", "p_value"]
 
@@ -177,8 +179,7 @@ def lower_bound_cap(m: int, delta: float, *, confidence: float = 0.95,
                     guess_fractions: Sequence[float] = GUESS_FRACTIONS) -> float:
     """The largest ε lower bound :func:`one_run_lower_bound` can give for m candidates at δ and ``confidence``:
     its bound when all r = 2k guesses are correct (p_value decreases in v), at the best guess count."""
-    if not (isinstance(m, int) and m >= 1):
-        raise ValueError(f"m (canary candidates) must be an integer >= 1, got {m!r}")
+    m = check_int("m (canary candidates)", m, minimum=1)
     _check_confidence(confidence)
     beta = (1 - confidence) / len(guess_fractions)
     return max((_largest_rejected_epsilon(m, 2 * k, 2 * k, delta, beta) for k in _guess_counts(m, guess_fractions)),
@@ -213,8 +214,7 @@ def mechanism_test(scores: torch.Tensor, inserted: torch.Tensor, *, noise_multip
         raise ValueError("scores and inserted must be vectors of the same length (one entry per candidate)")
     if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
         raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
-    if not (isinstance(rounds, int) and rounds >= 1):
-        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    rounds = check_int("rounds", rounds, minimum=1)
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
     mask = inserted.bool()

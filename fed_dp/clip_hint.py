@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fed_dp.validation import check_int
+
 #: Rounds observed before the hint may fire.
 MIN_ROUNDS = 10
 #: The hint fires when the bound on the average clipped update's norm is under RATIO·ζ.
@@ -38,8 +40,7 @@ def average_norm_bound(squared_norms: list[float], dim: int, noise_std: float, z
     the dimension d and the per-coordinate noise std φ of the average."""
     if not squared_norms:
         raise ValueError("need the noised norm of at least one round")
-    if not (isinstance(dim, int) and dim >= 1):
-        raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+    dim = check_int("dim", dim, minimum=1)
     if not (math.isfinite(noise_std) and noise_std > 0):
         raise ValueError(f"noise_std must be a finite number > 0, got {noise_std!r}")
     rounds = len(squared_norms)

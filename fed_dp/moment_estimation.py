@@ -27,6 +27,7 @@ import torch
 from fed_dp.config import PrivacyConfig
 from fed_dp.noise import NoNoise, Privatizer, make_strategy
 from fed_dp.sampling import NeighboringRelation, neighboring_relation
+from fed_dp.validation import check_int
 from fed_dp.validation import check_positive as _check_positive
 
 #: α²ζ² up to which the second moment is free under replace-one adjacency, in one dimension: the largest a
@@ -38,8 +39,7 @@ FREE_THRESHOLD_MULTI_D = 0.5
 
 def free_threshold(dim: int) -> float:
     """τ_d: the largest α²ζ² for which the second-moment release is free under replace-one adjacency."""
-    if not (isinstance(dim, int) and dim >= 1):
-        raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+    dim = check_int("dim", dim, minimum=1)
     return FREE_THRESHOLD_1D if dim == 1 else FREE_THRESHOLD_MULTI_D
 
 

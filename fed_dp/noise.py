@@ -36,6 +36,7 @@ from fed_dp.blt import BLTStrategy, config_strategy
 from fed_dp.config import PrivacyConfig
 from fed_dp.factorization import BandedStrategy, optimize_toeplitz
 from fed_dp.randomness import make_noise_source
+from fed_dp.validation import check_int
 
 Strategy = BandedStrategy | BLTStrategy
 
@@ -125,8 +126,7 @@ class Privatizer:
     ) -> None:
         if not (isinstance(noise_std, (int, float)) and noise_std > 0 and noise_std != float("inf")):
             raise ValueError(f"noise_std (σ·ζ) must be a finite number > 0, got {noise_std!r}")
-        if not (isinstance(dim, int) and dim >= 1):
-            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        dim = check_int("dim", dim, minimum=1)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be floating point, got {dtype}")
         if strategy is not None and not isinstance(strategy, (BandedStrategy, BLTStrategy)):
@@ -290,8 +290,7 @@ class NoNoise:
     horizon = None
 
     def __init__(self, dim: int, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        if not (isinstance(dim, int) and dim >= 1):
-            raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+        dim = check_int("dim", dim, minimum=1)
         self.dim, self.device, self.dtype = dim, torch.device(device), dtype
         self.index = 0
 

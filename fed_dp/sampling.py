@@ -37,6 +37,7 @@ import torch
 from fed_dp.blt import config_sensitivity_squared
 from fed_dp.config import PrivacyConfig
 from fed_dp.randomness import entropy_seed
+from fed_dp.validation import check_int
 
 NeighboringRelation = dp_accounting.NeighboringRelation
 
@@ -261,9 +262,7 @@ def make_sampler(config: PrivacyConfig, seed: int | None = None) -> Sampler:
 def dp_event(config: PrivacyConfig, rounds: int | None = None) -> dp_accounting.DpEvent:
     """The accounting event of ``rounds`` rounds (default: the planned T) of ``config``'s mechanism."""
     config.require_resolved("the accounting event")
-    rounds = config.rounds if rounds is None else rounds
-    if not (isinstance(rounds, int) and rounds >= 1):
-        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    rounds = config.rounds if rounds is None else check_int("rounds", rounds, minimum=1)
     if config.noise == "blt":
         return blt_dp_event(config, rounds)
     return sampler_class(config).dp_event(config, rounds)

@@ -45,6 +45,13 @@ def check_positive(name: str, value: object) -> float:
     return float(value)
 
 
+def check_nonnegative(name: str, value: object) -> float:
+    """``value`` as a float, if it is a finite real number (not a bool) >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:

@@ -31,6 +31,7 @@ from fed_dp.clients import evaluation, losses
 from fed_dp.clients.task import Task, Users
 from fed_dp.simulations.tasks import datasets, federated_datasets, models, synthetic, text
 from fed_dp.simulations.tasks.partitioning import partition
+from fed_dp.validation import check_int
 
 
 def _split_users(x: torch.Tensor, y: torch.Tensor, users: int, scheme: str, seed: int, **kw: Any) -> Users:
@@ -169,8 +170,7 @@ def w1_task(*, users: int = 500, examples: int = 32) -> Task:
     """W1 (docs/explanation/benchmarks.md): ``users`` users of ``examples`` CIFAR-shaped examples each, user i's data from
     ``synthetic.w1_user_data(i)``; the 25,578-parameter W1 CNN. No held-out data: labels are independent
     of the inputs, so accuracy means nothing; the workload measures throughput."""
-    if not (isinstance(users, int) and users >= 1):
-        raise ValueError(f"w1: users must be an integer >= 1, got {users!r}")
+    users = check_int("w1: users", users, minimum=1)
     return Task(
         name="w1",
         users=Users.in_memory([synthetic.w1_user_data(u, examples) for u in range(users)]),
@@ -195,9 +195,9 @@ def stackoverflow_like_task(
     Zipf-distributed count per user and Zipf-distributed tokens, from a generator seeded by the user id and
     ``seed``); next-token prediction (``losses.next_token``) with ``models.bigram_lm`` (V·e + 2e + e·V + V
     weights: 130,012 at the defaults). No held-out data: tokens are independent, so there is nothing to learn."""
-    users = _check_positive_int("users", users)
-    options = {"vocabulary": _check_positive_int("vocabulary", vocabulary, 2), "length": length,
-               "max_sequences": _check_positive_int("max_sequences", max_sequences), "seed": seed,
+    users = check_int("users", users, minimum=1)
+    options = {"vocabulary": check_int("vocabulary", vocabulary, minimum=2), "length": length,
+               "max_sequences": check_int("max_sequences", max_sequences, minimum=1), "seed": seed,
                "sequences_exponent": sequences_exponent}
 
     def load(user_id: int) -> tuple[torch.Tensor]:
@@ -224,12 +224,6 @@ def label_counts(task: Task, num_classes: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _pair_tensor(vocabulary: text.Vocabulary, first: list[str], second: list[str], length: int) -> torch.Tensor:
     """(n, 2, length) token ids of sentence pairs (each sentence cut at ``length`` words, padded with 0)."""
     return torch.stack([text.pad([vocabulary.encode(text.words(s)) for s in first], length),
@@ -241,7 +235,7 @@ def _sentence_pair_task(
     users: int, partition: str, alpha: float | None, exponent: float | None, vocab_size: int | None, length: int,
     seed: int, held_out_name: str,
 ) -> Task:
-    length = _check_positive_int("length", length)
+    length = check_int("length", length, minimum=1)
     vocabulary = text.Vocabulary.build((text.words(s) for s in train[0] + train[1]), vocab_size)
     x, y = _pair_tensor(vocabulary, train[0], train[1], length), torch.tensor(train[2], dtype=torch.int64)
     x_eval, y_eval = _pair_tensor(vocabulary, held_out[0], held_out[1], length), torch.tensor(held_out[2])
@@ -311,7 +305,7 @@ def ptb_task(
     token (``text.windows``: every token after the first is predicted once). The vocabulary is the training
     words (PTB's 10,000, with ``<unk>`` and ``<eos>``; ``vocab_size`` keeps the most frequent). Model
     ``models.token_lm``; evaluated on the test stream (loss, perplexity, next-token accuracy)."""
-    length = _check_positive_int("length", length, 2)
+    length = check_int("length", length, minimum=2)
     data = datasets.load_ptb(root)
     vocabulary = text.Vocabulary.build(data["train"], vocab_size)
     sentences = [vocabulary.encode(s) for s in data["train"]]
@@ -343,7 +337,7 @@ def e2e_task(
     loss scores only the reference and ``<eos>`` (``losses.next_token`` with a mask), rows longer than
     ``length`` tokens are cut. Rows are dealt to ``users`` users; model ``models.token_lm``; evaluated on the
     dev split."""
-    length = _check_positive_int("length", length, 2)
+    length = check_int("length", length, minimum=2)
     data = datasets.load_e2e(root)
     mrs, refs = data["train"]
     vocabulary = text.Vocabulary.build((text.words(s) for s in mrs + refs), vocab_size)
@@ -361,7 +355,7 @@ def e2e_task(
 
 
 def _first(ids: list[Any], max_users: int | None) -> list[Any]:
-    return ids if max_users is None else ids[: _check_positive_int("max-users", max_users)]
+    return ids if max_users is None else ids[: check_int("max-users", max_users, minimum=1)]
 
 
 def _femnist_tensors(x: list[Any], y: list[Any], where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,7 +380,7 @@ def femnist_task(*, root: str, max_users: int | None = None, eval_examples: int 
     per_user = [_femnist_tensors(*train[u], f"user {u!r}") for u in ids]
     x_test, y_test = _femnist_tensors([v for u in test for v in test[u][0]], [v for u in test for v in test[u][1]],
                                       "test")
-    held = slice(None) if eval_examples is None else slice(0, _check_positive_int("eval-examples", eval_examples))
+    held = slice(None) if eval_examples is None else slice(0, check_int("eval-examples", eval_examples, minimum=1))
     return Task(name="femnist", users=Users.in_memory(per_user, ids), model=lambda: models.small_cnn(62),
                 loss=losses.classification, evaluate=evaluation.classification((x_test[held], y_test[held])),
                 description=f"LEAF FEMNIST ({root}): N={len(ids)} writers of {len(train)}, "
@@ -433,11 +427,11 @@ def stackoverflow_task(
     frequent words of ``stackoverflow.word_count`` (TFF's counts over the training set; the benchmark uses
     10,000), others are ``<unk>``. Model ``models.token_lm``; evaluated on the first ``eval_examples``
     sentences of the test file's clients (sorted ids)."""
-    length = _check_positive_int("length", length, 3)
+    length = check_int("length", length, minimum=3)
     folder = Path(root)
     path, ids = federated_datasets.stackoverflow_users(folder, "train")
     counts = federated_datasets.read_word_counts(folder / "stackoverflow.word_count")
-    vocabulary = text.Vocabulary.from_counts(counts, _check_positive_int("vocab-size", vocab_size))
+    vocabulary = text.Vocabulary.from_counts(counts, check_int("vocab-size", vocab_size, minimum=1))
     ids = _first(ids, max_users)
     test_path, test_ids = federated_datasets.stackoverflow_users(folder, "test")
     held: list[list[str]] = []
@@ -464,12 +458,12 @@ def flair_task(
     sampled), images reduced from 256×256 to ``size``×``size`` by block means, multi-hot labels;
     ``models.small_cnn(17, 3, size)``, ``losses.multi_label``; evaluated (loss, micro precision/recall/F1)
     on the first ``eval_users`` users of ``/test``."""
-    size = _check_positive_int("size", size)
+    size = check_int("size", size, minimum=1)
     labels = federated_datasets.flair_labels(root, file)
     path, ids = federated_datasets.flair_users(root, "train", file)
     _, test_ids = federated_datasets.flair_users(root, "test", file)
     held = [federated_datasets.flair_user(path, "test", u, labels, size)
-            for u in test_ids[: _check_positive_int("eval-users", eval_users)]]
+            for u in test_ids[: check_int("eval-users", eval_users, minimum=1)]]
     ids = _first(ids, max_users)
     return Task(name="flair", users=Users(ids, lambda user: federated_datasets.flair_user(path, "train", user, labels, size)),
                 model=lambda: models.small_cnn(len(labels), 3, size), loss=losses.multi_label,

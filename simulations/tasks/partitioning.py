@@ -45,8 +45,6 @@ least ``min_size`` examples or a ``ValueError`` is raised):
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -56,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fed_dp.validation import check_int as _check_int
+from fed_dp.validation import check_int, check_nonnegative, check_positive
 
 __all__ = ["SCHEMES", "partition", "partition_sizes", "power_law_sizes"]
 
@@ -81,17 +79,6 @@ def _as_1d_array(name: str, values: Any) -> np.ndarray:
     return array
 
 
-def _check_real(name: str, value: object, *, positive: bool) -> float:
-    bad = isinstance(value, bool) or not isinstance(value, numbers.Real)
-    if not bad:
-        value = float(value)  # type: ignore[arg-type]
-        bad = not math.isfinite(value) or (value <= 0.0 if positive else value < 0.0)
-    if bad:
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
-
-
 def _random_order(n: int, seed: int) -> np.ndarray:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
@@ -105,10 +92,10 @@ def power_law_sizes(n: int, num_users: int, *, exponent: float = 1.5, min_size: 
     ``(n − num_users·min_size) · (i+1)^(−exponent) / Σ_j (j+1)^(−exponent)``;
     non-increasing in ``i``.
     """
-    n = _check_int("n", n, minimum=1)
-    num_users = _check_int("num_users", num_users, minimum=1)
-    exponent = _check_real("exponent", exponent, positive=False)
-    min_size = _check_int("min_size", min_size, minimum=1)
+    n = check_int("n", n, minimum=1)
+    num_users = check_int("num_users", num_users, minimum=1)
+    exponent = check_nonnegative("exponent", exponent)
+    min_size = check_int("min_size", min_size, minimum=1)
     if num_users * min_size > n:
         raise ValueError(
             f"min_size={min_size} is impossible: {num_users} users need at least "
@@ -217,13 +204,13 @@ def _checked_request(labels: Any, num_users: int, scheme: str, *, seed: int, alp
         raise ValueError("labels must contain at least one example")
     if not (np.issubdtype(label_array.dtype, np.integer) or label_array.dtype == np.bool_):
         raise ValueError(f"labels must be integers, got dtype {label_array.dtype}")
-    num_users = _check_int("num_users", num_users, minimum=1)
+    num_users = check_int("num_users", num_users, minimum=1)
     if num_users > n:
         raise ValueError(f"num_users={num_users} exceeds the number of examples n={n}")
-    seed = _check_int("seed", seed, minimum=0)
-    min_size = _check_int("min_size", min_size, minimum=1)
-    alpha = _check_real("alpha", alpha, positive=True)
-    exponent = _check_real("exponent", exponent, positive=False)
+    seed = check_int("seed", seed, minimum=0)
+    min_size = check_int("min_size", min_size, minimum=1)
+    alpha = check_positive("alpha", alpha)
+    exponent = check_nonnegative("exponent", exponent)
     if scheme != "natural-id" and natural_ids is not None:
         raise ValueError(f"natural_ids is only used by scheme 'natural-id', not {scheme!r}")
     if scheme != "natural-id" and num_users * min_size > n:

@@ -31,7 +31,7 @@ import numbers
 import torch
 
 from fed_dp.randomness import derive_seed
-from fed_dp.validation import check_int as _check_int
+from fed_dp.validation import check_int
 
 __all__ = [
     "SPARSE_LOGISTIC_TRUE_WEIGHT",
@@ -49,7 +49,7 @@ SPARSE_LOGISTIC_TRUE_WEIGHT: float = 1.0
 
 
 def _generator(seed: object) -> torch.Generator:
-    seed = _check_int("seed", seed, minimum=0)
+    seed = check_int("seed", seed, minimum=0)
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
     return gen
@@ -61,8 +61,8 @@ def heavy_tail_class_sizes(*, groups: int = 8, largest: int = 1024) -> torch.Ten
     Class ``j`` belongs to group ``k = floor(log2(j + 1))`` and has ``largest / 2^k``
     examples; classes are ordered from most to least frequent.
     """
-    groups = _check_int("groups", groups, minimum=1)
-    largest = _check_int("largest", largest, minimum=1)
+    groups = check_int("groups", groups, minimum=1)
+    largest = check_int("largest", largest, minimum=1)
     if largest % (2 ** (groups - 1)) != 0:
         raise ValueError(
             f"largest must be divisible by 2^(groups - 1) = {2 ** (groups - 1)} so that "
@@ -127,7 +127,7 @@ def heavy_tail_data(
     if dim is None:
         dim = int(largest) + n
     else:
-        dim = _check_int("dim", dim, minimum=1)
+        dim = check_int("dim", dim, minimum=1)
     gen = _generator(seed)
 
     class_groups = _class_groups(int(groups))
@@ -188,7 +188,7 @@ def sparse_logistic_1d(
         ``(x, y)``: ``x`` float32 of shape ``(n, 1)``; ``y`` int64 of shape ``(n,)`` in
         ``{0, 1}``.
     """
-    n = _check_int("num_examples", num_examples, minimum=1)
+    n = check_int("num_examples", num_examples, minimum=1)
     if (
         isinstance(nonzero_fraction, bool)
         or not isinstance(nonzero_fraction, numbers.Real)
@@ -230,8 +230,8 @@ def heavy_tail_mixture(
     (n = G·L), float32 ``(c·held_out, d)`` and int64 held-out data, and the group of every class.
     """
     sizes = heavy_tail_class_sizes(groups=groups, largest=largest)
-    dim = _check_int("dim", dim, minimum=1)
-    held_out = _check_int("held_out", held_out, minimum=1)
+    dim = check_int("dim", dim, minimum=1)
+    held_out = check_int("held_out", held_out, minimum=1)
     if isinstance(spread, bool) or not isinstance(spread, numbers.Real) or not math.isfinite(spread) or spread < 0:
         raise ValueError(f"spread must be a finite number >= 0, got {spread!r}")
     gen = _generator(seed)
@@ -253,7 +253,7 @@ def w1_user_data(user_id: int, examples: int = 32, *, classes: int = 10) -> tupl
     user id alone, so every engine (and Flower's own DP simulation) sees the same users.
     """
     gen = _generator(user_id)
-    examples = _check_int("examples", examples, minimum=1)
+    examples = check_int("examples", examples, minimum=1)
     x = torch.randn(examples, 3, 32, 32, generator=gen)
     y = torch.randint(classes, (examples,), generator=gen)
     return x, y
@@ -263,7 +263,7 @@ def w1_user_data(user_id: int, examples: int = 32, *, classes: int = 10) -> tupl
 def truncated_zipf(size: int, exponent: float) -> torch.Tensor:
     """The cumulative distribution of a Zipf law truncated to ``1..size``: P(k) = k^(−s) / Σ_{j ≤ size} j^(−s)
     (float64, shape (size,), last entry 1). Draw ``k = searchsorted(cdf, u) + 1`` with ``u ~ U[0, 1)``."""
-    size = _check_int("size", size, minimum=1)
+    size = check_int("size", size, minimum=1)
     if isinstance(exponent, bool) or not isinstance(exponent, numbers.Real) or not math.isfinite(exponent) or exponent < 0:
         raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
     weights = torch.arange(1, size + 1, dtype=torch.float64).pow(-float(exponent))
@@ -296,9 +296,9 @@ def stackoverflow_like_user(
 
     The data carry no structure to learn: the population measures the cost of private rounds.
     """
-    user_id = _check_int("user_id", user_id, minimum=0)
-    length = _check_int("length", length, minimum=2)
-    gen = _generator(derive_seed(_check_int("seed", seed, minimum=0), f"stackoverflow-like/{user_id}"))
+    user_id = check_int("user_id", user_id, minimum=0)
+    length = check_int("length", length, minimum=2)
+    gen = _generator(derive_seed(check_int("seed", seed, minimum=0), f"stackoverflow-like/{user_id}"))
     count_cdf = truncated_zipf(max_sequences, sequences_exponent)
     n = int(torch.searchsorted(count_cdf, torch.rand(1, generator=gen, dtype=torch.float64))) + 1
     token_cdf = truncated_zipf(vocabulary, tokens_exponent)
