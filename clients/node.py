@@ -35,7 +35,7 @@ from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_p
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 from fed_dp.run_config import CLIENT_DEFAULTS
-from fed_dp.contribution import Contribution, UserTrainingError
+from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 
 __all__ = ["LocalTrainer", "hosted_users", "parse_users", "query_reply", "train_reply"]
 
@@ -121,19 +121,20 @@ class LocalTrainer:
                              "the same model, and the Strategy's initial arrays must be its named parameters")
         return self.layout.flatten(dict(named)).to(self.device)
 
-    def contribution(self, *, round_index: int, users: Sequence[int], params: torch.Tensor, clip_norm: float,
-                     scale: torch.Tensor | None, send_squares: bool, seed: int,
+    def contribution(self, plan: RoundPlan, users: Sequence[int], *, seed: int,
                      source: str = "") -> tuple[Contribution, dict[str, float], Path]:
-        """Σ of the clipped updates of ``users`` (indices) trained from the flat θ ``params``, their count (and
-        Σu²), the training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`).
+        """Σ of the clipped updates of ``users`` (indices: this node's share of the plan's cohort) trained from the
+        plan's flat θ, clipped to its ζ (in its geometry s_t), their count (and Σu² when the plan asks), the
+        training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`); ``seed``: the
+        run's local-training seed, from which each user's derives.
 
         A user whose examples fail to load, or whose training raises, stops the call with
-        :class:`~fed_dp.contribution.UserTrainingError` naming the round (``round_index + 1``) and that user."""
-        examples = [(int(u), self._load(int(u), round_index)) for u in users]
-        work = LocalRound(params=params.to(self.device), round_index=round_index, clip_norm=clip_norm,
-                          scale=None if scale is None else scale.to(self.device), send_squares=send_squares,
-                          model=self.model, layout=self.layout, training=self.local, loss=self.task.loss, seed=seed,
-                          source=source)
+        :class:`~fed_dp.contribution.UserTrainingError` naming the round (``plan.round + 1``) and that user."""
+        examples = [(int(u), self._load(int(u), plan.round)) for u in users]
+        work = LocalRound(params=plan.params.to(self.device), round_index=plan.round, clip_norm=plan.clip_norm,
+                          scale=None if plan.scale is None else plan.scale.to(self.device),
+                          send_squares=plan.send_squares, model=self.model, layout=self.layout, training=self.local,
+                          loss=self.task.loss, seed=seed, source=source)
         try:
             return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
         except Exception as error:
@@ -172,8 +173,6 @@ def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] 
         foreign = sorted(set(request.users) - set(hosted))
         if foreign:
             raise ValueError(f"asked to train users {foreign[:5]} that this node does not host")
-    result, metrics, path = trainer.contribution(
-        round_index=request.round, users=request.users, params=trainer.flat_params(request.params),
-        clip_norm=request.clip_norm, scale=request.scale, send_squares=request.send_squares, seed=request.seed,
-    )
+    result, metrics, path = trainer.contribution(request.plan(trainer.flat_params(request.params)), request.users,
+                                                 seed=request.seed)
     return protocol.make_train_reply(msg, request, result, {**metrics, **path_metrics(path)})

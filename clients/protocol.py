@@ -213,6 +213,12 @@ class TrainRequest:
     scale: torch.Tensor | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
 
+    def plan(self, params: torch.Tensor) -> RoundPlan:
+        """The request as the round plan of the users it asks for (``params``: θ_{t−1} as the node's flat vector)."""
+        return RoundPlan(round=self.round, cohort=torch.tensor(self.users, dtype=torch.int64), params=params,
+                         clip_norm=self.clip_norm, scale=self.scale, send_squares=self.send_squares,
+                         send_clip_bits=self.send_clip_bits)
+
 
 def train_message(plan: RoundPlan, node_id: int, users: Sequence[int], params: Mapping[str, torch.Tensor],
                   seed: int, config: Mapping[str, Any] | None = None) -> Message:

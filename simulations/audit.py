@@ -221,9 +221,7 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
                 result = Contribution(zero, len(users), zero.clone() if plan.send_squares else None,
                                       unclipped=len(users), scaled=plan.scale is not None)
             else:
-                result, _, _ = trainer.contribution(round_index=plan.round, users=users.tolist(), params=plan.params,
-                                                    clip_norm=plan.clip_norm, scale=plan.scale,
-                                                    send_squares=plan.send_squares, seed=client_seed)
+                result, _, _ = trainer.contribution(plan, users.tolist(), seed=client_seed)
             canary_updates = plan.clip_norm * directions[canary_rows]  # each already of norm ζ_t: clip is a no-op
             total = result.total.cpu() + canary_updates.sum(dim=0)
             squares = None

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -88,23 +88,21 @@ def share_seed(workers: Workers, seed: int) -> int:
     return int(box[0])
 
 
-def _train_share(workers: Workers, trainer: LocalTrainer, round_index: int, cohort: torch.Tensor,
-                 params: torch.Tensor, clip_norm: float, scale: torch.Tensor | None, send_squares: bool,
+def _train_share(workers: Workers, trainer: LocalTrainer, plan: RoundPlan,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """This rank's users: (Σu, Σu² or None, stats) on ``workers.device``; a failure becomes a failed-rank count."""
-    users = cohort[workers.rank::workers.world].tolist()
-    total = torch.zeros_like(params, device=workers.device)
-    squares = torch.zeros_like(total) if send_squares else None
+    """This rank's users of the plan's cohort: (Σu, Σu² or None, stats) on ``workers.device``; a failure becomes a
+    failed-rank count."""
+    users = plan.cohort[workers.rank::workers.world].tolist()
+    total = torch.zeros_like(plan.params, device=workers.device)
+    squares = torch.zeros_like(total) if plan.send_squares else None
     stats = torch.zeros(_STATS, dtype=torch.float64, device=workers.device)
     stats[_FAILED_USER] = math.inf  # reduced with MIN: the smallest failed user of any rank
     if not users:
         return total, squares, stats
     try:
-        result, metrics, path = trainer.contribution(
-            round_index=round_index, users=users, params=params, clip_norm=clip_norm, scale=scale,
-            send_squares=send_squares, seed=seed, source="simulation")
+        result, metrics, path = trainer.contribution(plan, users, seed=seed, source="simulation")
     except Exception as error:  # reported to rank 0 through the reduce; the traceback stays in this rank's log
-        log.exception("rank %d: training users %s... failed in round %d", workers.rank, users[:5], round_index + 1)
+        log.exception("rank %d: training users %s... failed in round %d", workers.rank, users[:5], plan.round + 1)
         stats[5] = 1.0
         if isinstance(error, UserTrainingError):
             stats[_FAILED_USER] = error.user
@@ -142,8 +140,8 @@ def exchange_round(workers: Workers, trainer: LocalTrainer, plan: RoundPlan, see
     if plan.scale is not None:
         scale = plan.scale.to(workers.device)
         dist.broadcast(scale, src=0)
-    total, squares, stats = _train_share(workers, trainer, plan.round, cohort.cpu(), params, plan.clip_norm, scale,
-                                         plan.send_squares, seed)
+    total, squares, stats = _train_share(workers, trainer, replace(plan, cohort=cohort.cpu(), params=params,
+                                                                   scale=scale), seed)
     _reduce(total, squares, stats)
     n, unclipped, loss, norm, clipped, failed, vectorized, failed_user = stats.tolist()
     if failed:
@@ -197,8 +195,9 @@ def serve_rounds(workers: Workers, trainer: LocalTrainer, params_like: torch.Ten
         if has_scale:
             scale = torch.empty_like(params)
             dist.broadcast(scale, src=0)
-        total, squares, stats = _train_share(workers, trainer, int(round_index), cohort.cpu(), params, clip_norm,
-                                             scale, bool(send_squares), seed)
+        plan = RoundPlan(round=int(round_index), cohort=cohort.cpu(), params=params, clip_norm=clip_norm, scale=scale,
+                         send_squares=bool(send_squares))
+        total, squares, stats = _train_share(workers, trainer, plan, seed)
         _reduce(total, squares, stats)
         served += 1
         if on_round is not None:

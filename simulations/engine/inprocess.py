@@ -162,9 +162,8 @@ def train(
         def exchange(plan: RoundPlan) -> RoundReplies:
             if workers is not None:
                 return exchange_round(workers, trainer, plan, client_seed)
-            result, metrics, path = trainer.contribution(
-                round_index=plan.round, users=plan.cohort.tolist(), params=plan.params, clip_norm=plan.clip_norm,
-                scale=plan.scale, send_squares=plan.send_squares, seed=client_seed, source="simulation")
+            result, metrics, path = trainer.contribution(plan, plan.cohort.tolist(), seed=client_seed,
+                                                         source="simulation")
             # train_loss, mean_update_norm, fraction_clipped, and the path that ran: which users were sampled
             # decides it (one step or not), and an empty cohort never falls back from the vectorized path
             return RoundReplies([_on_cpu(result)], nonprivate={**metrics, **path_metrics(path)})

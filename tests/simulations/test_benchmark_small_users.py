@@ -11,6 +11,7 @@ import torch
 
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.config import LocalTraining
+from fed_dp.contribution import RoundPlan
 from fed_dp.optimizers import RoundRelease, make_optimizer
 from fed_dp.simulations.benchmark import small_users as small
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
@@ -38,8 +39,9 @@ def test_direct_clipped_sum_equals_the_engines_contribution(local_lr, training, 
     expected, norms = small.linear_softmax_clipped_sum(theta.view(direct.shape), direct.x, direct.y, clip_norm=clip,
                                                        local_lr=local_lr)
     assert bool((norms > clip).any()) and bool((norms < clip).any())
-    result, _, _ = trainer.contribution(round_index=0, users=list(range(task.num_users)), params=theta,
-                                        clip_norm=clip, scale=None, send_squares=False, seed=0)
+    plan = RoundPlan(round=0, cohort=torch.arange(task.num_users), params=theta, clip_norm=clip, scale=None,
+                     send_squares=False)
+    result, _, _ = trainer.contribution(plan, list(range(task.num_users)), seed=0)
     assert result.count == task.num_users
     torch.testing.assert_close(result.total.cpu(), expected.cpu(), rtol=1e-5, atol=1e-6)
 
