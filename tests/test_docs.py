@@ -9,6 +9,7 @@ and each number must agree within a relative 1e-3 or an absolute 1e-6 (tests/doc
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -109,3 +110,27 @@ def test_the_architecture_page_draws_the_layers_and_one_round():
         assert re.search(rf"^\s*{re.escape(name)}\s+{re.escape(folder)}", page, flags=re.M), name
     flow = re.search(r"^sampler ──▶ nodes .*$", page, flags=re.M).group(0)
     assert flow.split(" ──▶ ") == ["sampler", "nodes", "clip", "sum", "noise", "optimizer", "ledger", "checkpoint"]
+
+
+def _written_signature(function) -> str:
+    """``function``'s parameters as the docs write them: names, ``name=repr(default)``, ``*`` before keyword-only."""
+    parts, keyword_only = [], False
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.name == "self":
+            continue
+        if parameter.kind is parameter.KEYWORD_ONLY and not keyword_only:
+            parts.append("*")
+            keyword_only = True
+        parts.append(parameter.name if parameter.default is parameter.empty else f"{parameter.name}={parameter.default!r}")
+    return ", ".join(parts)
+
+
+def test_the_flower_app_page_writes_the_strategys_signatures_as_the_code_has_them():
+    """The how-to lists UserLevelDP's and start's parameters with their defaults (the run configuration's): a
+    parameter or a default changed in the code and not on the page fails here (they had drifted: three parameters
+    were missing and two defaults written as ints)."""
+    from fed_dp.server.flower_strategy import UserLevelDP
+
+    page = " ".join((DOCS / "how-to" / "flower-app.md").read_text(encoding="utf-8").split())
+    assert f"`UserLevelDP({_written_signature(UserLevelDP.__init__)})`" in page
+    assert f"`start({_written_signature(UserLevelDP.start)})`" in page
