@@ -4,10 +4,10 @@
              ``name``, if it has one (the server knows a restarted node by it, else by its users); under
              Flower's simulation engine, that it is one of P virtual nodes, each able to train any user
     TRAIN  → the requested users trained from θ_{t−1} with the task's loss, clipped in the broadcast geometry,
-             summed (``fed_dp.clients.node.train_reply``)
+             summed (``fed_dp.clients.replies.train_reply``)
 
 The task comes from the run config by reference (``task.ref``), so every Flower process — simulation workers,
-SuperNodes — imports it itself. A ClientApp of your own does the same in a few lines (``fed_dp.clients.node``).
+SuperNodes — imports it itself. A ClientApp of your own does the same in a few lines (``fed_dp.clients.replies``).
 
 With ``node-service`` in the node config, both handlers forward the message to that node's long-lived service
 (``fed_dp.clients.node_service``), which keeps the task loaded across messages; both answer with the same

@@ -31,7 +31,7 @@ def _trainer(context: Context):
 
 
 def answer_query(msg: Message, context: Context) -> Message:
-    from fed_dp.clients.node import hosted_users, query_reply
+    from fed_dp.clients.replies import hosted_users, query_reply
 
     trainer = _trainer(context)
     name = str(context.node_config.get("name", "")) or None
@@ -40,7 +40,7 @@ def answer_query(msg: Message, context: Context) -> Message:
 
 
 def answer_train(msg: Message, context: Context) -> Message:
-    from fed_dp.clients.node import hosted_users, train_reply
+    from fed_dp.clients.replies import hosted_users, train_reply
 
     trainer = _trainer(context)
     return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))

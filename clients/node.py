@@ -1,79 +1,26 @@
-"""What a node does for the server: host users, and train the sampled ones into one clipped reply.
-
-A ClientApp of your own needs two handlers (the project's own ``fed_dp.clients.app`` is exactly this); the query
-reply names the model the node trains, so that the server refuses a node whose model differs from its own before
-round 1, instead of spending rounds of budget on noise:
-
-    trainer = LocalTrainer(make_task(), LocalTraining(batch_size=16, lr=0.1))
-
-    @app.query()
-    def query(msg, context):
-        return query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), model=trainer.model)
-
-    @app.train()
-    def train(msg, context):
-        return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))
-
-:class:`LocalTrainer` builds the task's model once and trains a round's users on its device, without a model
-per user when their update is one gradient step (``fed_dp.clients.one_step``), else vectorized over users or one
-at a time (``fed_dp.clients.vectorized.contribution``); the in-process engine uses the same
-class, so a simulation and a Flower run compute the same contributions.
+"""A node's users trained into one contribution: :class:`LocalTrainer` builds the task's model once and trains a
+round's users on its device, without a model per user when their update is one gradient step
+(``fed_dp.clients.one_step``), else vectorized over users or one at a time (``fed_dp.clients.vectorized.contribution``).
+The in-process engine, the torchrun ranks, the audit and a Flower ClientApp (``fed_dp.clients.replies``) all train
+with this class, so a simulation and a Flower run compute the same contributions. Nothing here imports Flower.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from flwr.app import Message
 
-from fed_dp.clients import protocol
 from fed_dp.clients.task import Examples, Task, Users
 from fed_dp.clients.training import LocalRound, UserExamples, keep_freed_memory, resolve_device, use_fast_format
-from fed_dp.clients.vectorized import Path, contribution, path_metrics, select_path
+from fed_dp.clients.vectorized import Path, contribution, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 from fed_dp.run_config import CLIENT_DEFAULTS
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 
-__all__ = ["LocalTrainer", "hosted_users", "parse_users", "query_reply", "train_reply"]
-
-query_reply = protocol.query_reply
-
-
-def parse_users(spec: str) -> list[int]:
-    """"0-19,40-49,7" → sorted user indices; a clear error for anything else."""
-    users: set[int] = set()
-    for part in str(spec).replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            low, _, high = part.partition("-")
-            first, last = int(low), int(high or low)
-        except ValueError:
-            raise ValueError(f"node-config 'users' must look like '0-19,40-49', got {spec!r}") from None
-        if first > last or first < 0:
-            raise ValueError(f"node-config 'users': bad range {part!r}")
-        users.update(range(first, last + 1))
-    return sorted(users)
-
-
-def hosted_users(node_config: Mapping[str, Any], num_users: int) -> Sequence[int]:
-    """The users a node hosts: its node config's ``users`` ranges (deployment), or, under Flower's simulation
-    engine (node config ``partition-id`` and ``num-partitions`` = P), any of the N = ``num_users``
-    (:class:`~fed_dp.clients.protocol.VirtualNodeUsers`: every virtual node builds the whole task; the server
-    assigns user u to the (u mod P)-th of them after asking one, instead of asking all P)."""
-    if "users" in node_config:
-        users = parse_users(node_config["users"])
-        outside = [u for u in users if u >= num_users]
-        if outside:
-            raise ValueError(f"node-config 'users' names users {outside[:5]} but the task has N = {num_users} "
-                             f"(indices 0..{num_users - 1})")
-        return users
-    if "partition-id" in node_config and "num-partitions" in node_config:  # Flower simulation engine
-        return protocol.VirtualNodeUsers(num_users, int(node_config["num-partitions"]))
-    raise ValueError("this SuperNode has no 'users' in its --node-config (e.g. --node-config \"users='0-19'\")")
+__all__ = ["LocalTrainer"]
 
 
 class LocalTrainer:
@@ -163,16 +110,3 @@ class LocalTrainer:
                 return UserTrainingError(work.round_index + 1, user, self.user_id(user), alone)
         user = examples[0][0] if examples else -1
         return UserTrainingError(work.round_index + 1, user, self.user_id(user), error)
-
-
-def train_reply(msg: Message, trainer: LocalTrainer, *, hosted: Collection[int] | None = None) -> Message:
-    """The reply to a TRAIN message: the requested users trained by ``trainer``, clipped in the broadcast
-    geometry, summed. ``hosted``: the users this node hosts (requests for others are refused)."""
-    request = protocol.parse_train_request(msg)
-    if hosted is not None:
-        foreign = sorted(set(request.users) - set(hosted))
-        if foreign:
-            raise ValueError(f"asked to train users {foreign[:5]} that this node does not host")
-    result, metrics, path = trainer.contribution(request.plan(trainer.flat_params(request.params)), request.users,
-                                                 seed=request.seed)
-    return protocol.make_train_reply(msg, request, result, {**metrics, **path_metrics(path)})

@@ -149,7 +149,7 @@ def serve(socket_path: str | os.PathLike[str], handlers: dict[str, Handler] | No
     """Answer messages at ``socket_path`` until SIGTERM/SIGINT (or ``max_requests``, for tests); returns the
     number answered. ``handlers``: message kind → handler, default the project's ClientApp handlers."""
     if handlers is None:
-        import fed_dp.clients.node  # noqa: F401  (torch and the trainer, once, before the first message)
+        import fed_dp.clients.replies  # noqa: F401  (torch and the trainer, once, before the first message)
         from fed_dp.clients.handlers import HANDLERS
 
         handlers = HANDLERS

@@ -82,9 +82,9 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "model_arrays": ("fed_dp.server.flower_strategy", "model_arrays"),
     "centralized_evaluation": ("fed_dp.server.flower_strategy", "centralized_evaluation"),
     "LocalTrainer": ("fed_dp.clients.node", "LocalTrainer"),
-    "train_reply": ("fed_dp.clients.node", "train_reply"),
-    "query_reply": ("fed_dp.clients.node", "query_reply"),
-    "hosted_users": ("fed_dp.clients.node", "hosted_users"),
+    "train_reply": ("fed_dp.clients.replies", "train_reply"),
+    "query_reply": ("fed_dp.clients.replies", "query_reply"),
+    "hosted_users": ("fed_dp.clients.replies", "hosted_users"),
 }
 
 __all__ = sorted(_PUBLIC)

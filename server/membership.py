@@ -65,7 +65,7 @@ class Node:
 
 
 def format_users(users: Sequence[int]) -> str:
-    """Sorted user indices → "0-13,20,22-25" (the inverse of ``fed_dp.clients.node.parse_users``)."""
+    """Sorted user indices → "0-13,20,22-25" (the inverse of ``fed_dp.clients.replies.parse_users``)."""
     parts: list[str] = []
     ordered = sorted(users)
     start = previous = None

@@ -79,7 +79,7 @@ def main(grid: Grid, context: Context) -> None:
 
 CLIENT_APP = '''\
 """ClientApp: fed-dp's own. A node tells the server which users it hosts, then trains the sampled ones from the
-global model, clips each user's update and sends their sum (fed_dp.clients.node has the pieces for a ClientApp
+global model, clips each user's update and sends their sum (fed_dp.clients.replies has the pieces for a ClientApp
 of your own). It loads the task named by task.ref in [tool.flwr.app.config].
 """
 

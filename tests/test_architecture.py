@@ -254,3 +254,16 @@ def test_the_follow_counts_a_call_from_a_lower_layer_as_a_climb():
     assert not follow_config.Stop("fed_dp.accounting", "epsilon", "fed_dp.simulations.cli").climbs
     assert not follow_config.Stop("fed_dp.clients.task", "build_task", "fed_dp.clients.node").climbs
     assert follow_config.layer("flwr.app") is None and follow_config.layer("fed_dp.server.app") == 2
+
+
+def test_the_in_process_simulator_imports_no_flower():
+    """``fed_dp.train`` trains in this process with the same LocalTrainer a ClientApp uses; the Flower messages are
+    ``fed_dp.clients.replies``'s, so importing the engine (in a fresh interpreter) loads no ``flwr``."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nimport fed_dp.simulations.engine.inprocess, fed_dp.simulations.engine.distributed\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'ray', 'grpc'}))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -67,7 +67,7 @@ def _other_trainer():
 
 @other_model_app.query()
 def query_other_model(msg: Message, context: Context) -> Message:
-    from fed_dp.clients.node import hosted_users
+    from fed_dp.clients.replies import hosted_users
 
     trainer = _other_trainer()
     return protocol.query_reply(msg, hosted_users(context.node_config, trainer.task.num_users), model=trainer.model)
@@ -75,7 +75,7 @@ def query_other_model(msg: Message, context: Context) -> Message:
 
 @other_model_app.train()
 def train_other_model(msg: Message, context: Context) -> Message:
-    from fed_dp.clients.node import hosted_users, train_reply
+    from fed_dp.clients.replies import hosted_users, train_reply
 
     trainer = _other_trainer()
     return train_reply(msg, trainer, hosted=hosted_users(context.node_config, trainer.task.num_users))

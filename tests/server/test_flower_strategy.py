@@ -18,7 +18,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Met
 from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.checkpoint import COMMIT_NAME, RESULTS_NAME, load_checkpoint, read_diagnostics
 from fed_dp.clients import protocol
-from fed_dp.clients.node import LocalTrainer, hosted_users, query_reply, train_reply
+from fed_dp.clients.node import LocalTrainer
+from fed_dp.clients.replies import hosted_users, query_reply, train_reply
 from fed_dp.clients.task import Task, Users, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation

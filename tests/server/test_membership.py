@@ -17,7 +17,8 @@ from flwr.app import Message, MessageType
 from fed_dp.accounting import epsilon
 from fed_dp.checkpoint import load_checkpoint, read_diagnostics
 from fed_dp.clients import protocol
-from fed_dp.clients.node import LocalTrainer, hosted_users, parse_users, query_reply, train_reply
+from fed_dp.clients.node import LocalTrainer
+from fed_dp.clients.replies import hosted_users, parse_users, query_reply, train_reply
 from fed_dp.clients.protocol import VirtualNodeUsers
 from fed_dp.clients.task import initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
