@@ -253,46 +253,13 @@ def run_rounds(
         log.warning("noise_multiplier = 0: this run adds NO noise and has NO privacy (epsilon is infinite); it is a "
                     "non-private baseline, and every record and result is labelled non_private")
     simulated = in_simulation()
-    records: list[dict[str, Any]] = []
-
-    def publish(record: dict[str, Any]) -> None:
-        """Evaluate a committed round; mark it published with its evaluated record (durable before anything is
-        handed out, so a crash can neither lose the evaluation nor hand the round out twice); log it and hand
-        it to ``on_round``."""
-        if evaluate is not None and _evaluate_now(record["round"], rounds, eval_every):
-            record.update(evaluate(state.round, state.params))
-        phase("evaluated", record["round"])
-        if checkpoint_dir:
-            mark_published(checkpoint_dir, public_record(record))
-        log.info("round %d/%d: epsilon %s, delta %g", record["round"], rounds, _format_epsilon(record["epsilon"]),
-                 record["delta"])
-        if on_round is not None:
-            on_round(record)
-
-    if checkpoint_dir:
-        restored = resume_with_secret(state, checkpoint_dir)
-        if restored is not None:
-            extra, secret_extra = restored
-            hidden = secret_extra.get("records", [])
-            records = [{**record, **(hidden[i] if i < len(hidden) else {})}
-                       for i, record in enumerate(extra.get("records", []))]
-            log.info("resumed from %s at round %d (epsilon so far %.4g)", checkpoint_dir, state.round,
-                     state.ledger.epsilon)
-            _restore_diagnostics(checkpoint_dir, secret_extra.get("diagnostics"))
-            published = read_published(checkpoint_dir)
-            if records and published is not None and published["round"] == records[-1]["round"]:
-                records[-1].update(published["record"])  # its evaluation, done after its commit
-            elif records:
-                publish(records[-1])  # committed just before a crash, never marked published: evaluated, handed out
+    publisher = _Publisher(rounds, evaluate, eval_every, checkpoint_dir, on_round, phase)
+    records = _resumed_records(state, checkpoint_dir, publisher) if checkpoint_dir else []
     if state.round == 0 and evaluate is not None and eval_every > 0:  # a fresh run: the initial model first
         evaluation = evaluate(0, state.params)
         if evaluation:  # an evaluation that returns nothing (a task without one) leaves no record
             records.append(initial_record(state, evaluation))
-    operator_log = None
-    if checkpoint_dir and not simulated:
-        operator_log = logging.FileHandler(operator_log_file(checkpoint_dir), encoding="utf-8")
-        operator_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        private_log.addHandler(operator_log)
+    operator_log = _open_operator_log(checkpoint_dir) if checkpoint_dir and not simulated else None
     stopped, empty = None, 0
     config = state.config
     hint = ClipHint(state.params.numel(), config.noise_multiplier * config.clip_norm / config.expected_cohort,
@@ -307,41 +274,21 @@ def run_rounds(
                 stopped = str(refusal)
                 break
             phase("sampled", plan.round + 1)
-            finished: list[tuple[RoundReplies, ServerState, dict[str, Any]]] = []
-            aggregate = _aggregate_once(state, plan, finished)
-            replies = _exchange_or_stop(
-                (lambda: exchange(plan, aggregate)) if exchange_aggregates else (lambda: exchange(plan)),
-                state, records, checkpoint_dir)
-            phase("replied", plan.round + 1)
-            if not finished:
-                aggregate(replies)
-            replies, state, metrics = finished[0]
-            nonprivate = {**metrics.pop("nonprivate"), **replies.nonprivate}
+            state, metrics, nonprivate = _exchanged_and_aggregated(state, plan, exchange, exchange_aggregates,
+                                                                   records, checkpoint_dir, phase)
             phase("aggregated", plan.round + 1)
             # sampling, exchange, server round: it grows with the cohort, so it is the operator's, not published
             nonprivate["round_seconds"] = time.perf_counter() - started
-            metrics.update(replies.metrics)
             if simulated:  # research runs on data the researcher holds: diagnostics stay in memory, marked
                 metrics.update({f"{NONPRIVATE}{key}": value for key, value in nonprivate.items()})
             records.append(metrics)
             if checkpoint_dir:
-                diagnostics = {"round": metrics["round"], **nonprivate}
-                save_checkpoint(state, checkpoint_dir, extra={"records": [public_record(r) for r in records]},
-                                secret_extra={"records": [nonprivate_part(r) for r in records],
-                                              "diagnostics": diagnostics})
-                append_diagnostics(checkpoint_dir, diagnostics)
+                _commit(state, checkpoint_dir, records, nonprivate)
             phase("saved", plan.round + 1)
             for problem in nonprivate.get("dropped", []):
                 private_log.warning("round %d: %s", plan.round + 1, problem)
-            sampled = nonprivate["cohort_size"] > 0
-            empty = empty + 1 if sampled and nonprivate["replied_users"] == 0 else 0
-            if empty >= max_empty_rounds:  # the failure path says why: the run is broken and stops here
-                raise NoRepliesError(
-                    f"no reply could be counted in the last {empty} rounds (up to round {plan.round + 1}); "
-                    f"stopping before spending more privacy budget on noise alone (epsilon so far "
-                    f"{_format_epsilon(metrics['epsilon'])}). {_why_no_replies(nonprivate, checkpoint_dir, simulated)}. "
-                    "Fix the nodes and start the run again with the same checkpoint folder to resume")
-            publish(metrics)
+            empty = _empty_rounds(empty, nonprivate, max_empty_rounds, metrics, checkpoint_dir, simulated)
+            publisher.publish(state, metrics)
             phase("published", plan.round + 1)
             if hint is not None and "noised_average_norm" in metrics:
                 advice = hint.observe(metrics["noised_average_norm"])
@@ -354,3 +301,104 @@ def run_rounds(
         if checkpoint_dir:
             _write_results(checkpoint_dir, records)
     return LoopResult(state, records, stopped)
+
+
+@dataclass(frozen=True)
+class _Publisher:
+    """How a committed round is handed out (:meth:`publish`): evaluated when due, marked published in the
+    checkpoint folder, logged, given to ``on_round``."""
+
+    rounds: int
+    evaluate: Callable[[int, torch.Tensor], dict[str, float]] | None
+    eval_every: int
+    checkpoint_dir: str | Path | None
+    on_round: Callable[[dict[str, Any]], None] | None
+    phase: Callable[[str, int], None]
+
+    def publish(self, state: ServerState, record: dict[str, Any]) -> None:
+        """Evaluate a committed round; mark it published with its evaluated record (durable before anything is
+        handed out, so a crash can neither lose the evaluation nor hand the round out twice); log it and hand
+        it to ``on_round``."""
+        if self.evaluate is not None and _evaluate_now(record["round"], self.rounds, self.eval_every):
+            record.update(self.evaluate(state.round, state.params))
+        self.phase("evaluated", record["round"])
+        if self.checkpoint_dir:
+            mark_published(self.checkpoint_dir, public_record(record))
+        log.info("round %d/%d: epsilon %s, delta %g", record["round"], self.rounds,
+                 _format_epsilon(record["epsilon"]), record["delta"])
+        if self.on_round is not None:
+            self.on_round(record)
+
+
+def _resumed_records(state: ServerState, checkpoint_dir: str | Path, publisher: _Publisher) -> list[dict[str, Any]]:
+    """Resume ``state`` from the checkpoint folder when it holds one and return the records so far (public and
+    secret parts joined); a round committed just before a crash and never marked published is published now
+    (evaluated, handed out). A folder without a checkpoint: a fresh run, no records."""
+    restored = resume_with_secret(state, checkpoint_dir)
+    if restored is None:
+        return []
+    extra, secret_extra = restored
+    hidden = secret_extra.get("records", [])
+    records = [{**record, **(hidden[i] if i < len(hidden) else {})}
+               for i, record in enumerate(extra.get("records", []))]
+    log.info("resumed from %s at round %d (epsilon so far %.4g)", checkpoint_dir, state.round, state.ledger.epsilon)
+    _restore_diagnostics(checkpoint_dir, secret_extra.get("diagnostics"))
+    published = read_published(checkpoint_dir)
+    if records and published is not None and published["round"] == records[-1]["round"]:
+        records[-1].update(published["record"])  # its evaluation, done after its commit
+    elif records:
+        publisher.publish(state, records[-1])  # committed just before a crash, never marked published
+    return records
+
+
+def _open_operator_log(checkpoint_dir: str | Path) -> logging.FileHandler:
+    """A deployment's operator log (``secret/operator.log``): the private logger's lines, which name nodes and
+    sampled users, go there and nowhere public."""
+    handler = logging.FileHandler(operator_log_file(checkpoint_dir), encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    private_log.addHandler(handler)
+    return handler
+
+
+def _exchanged_and_aggregated(state: ServerState, plan: RoundPlan, exchange: Any, exchange_aggregates: bool,
+                              records: list[dict[str, Any]], checkpoint_dir: str | Path | None,
+                              phase: Callable[[str, int], None]) -> tuple[ServerState, dict[str, Any], dict[str, Any]]:
+    """One round's exchange and its one ``finish_round`` (by the exchange when it aggregates, else here; phase
+    "replied" in between): the new state, the round's metrics (the replies' own metrics added) and its non-private
+    diagnostics."""
+    finished: list[tuple[RoundReplies, ServerState, dict[str, Any]]] = []
+    aggregate = _aggregate_once(state, plan, finished)
+    replies = _exchange_or_stop(
+        (lambda: exchange(plan, aggregate)) if exchange_aggregates else (lambda: exchange(plan)),
+        state, records, checkpoint_dir)
+    phase("replied", plan.round + 1)
+    if not finished:
+        aggregate(replies)
+    replies, state, metrics = finished[0]
+    nonprivate = {**metrics.pop("nonprivate"), **replies.nonprivate}
+    metrics.update(replies.metrics)
+    return state, metrics, nonprivate
+
+
+def _commit(state: ServerState, checkpoint_dir: str | Path, records: list[dict[str, Any]],
+            nonprivate: dict[str, Any]) -> None:
+    """Commit a round before anything of it is published: the checkpoint (public records; the non-private parts
+    and the round's diagnostics in the secret part), then the diagnostics appended to ``secret/diagnostics.jsonl``."""
+    diagnostics = {"round": records[-1]["round"], **nonprivate}
+    save_checkpoint(state, checkpoint_dir, extra={"records": [public_record(r) for r in records]},
+                    secret_extra={"records": [nonprivate_part(r) for r in records], "diagnostics": diagnostics})
+    append_diagnostics(checkpoint_dir, diagnostics)
+
+
+def _empty_rounds(empty: int, nonprivate: dict[str, Any], max_empty_rounds: int, metrics: dict[str, Any],
+                  checkpoint_dir: str | Path | None, simulated: bool) -> int:
+    """The count of rounds in a row that sampled users but counted none, this round included; NoRepliesError (the
+    checkpoint is saved already, so the run resumes) when it reaches ``max_empty_rounds``."""
+    empty = empty + 1 if nonprivate["cohort_size"] > 0 and nonprivate["replied_users"] == 0 else 0
+    if empty >= max_empty_rounds:  # the failure path says why: the run is broken and stops here
+        raise NoRepliesError(
+            f"no reply could be counted in the last {empty} rounds (up to round {metrics['round']}); "
+            f"stopping before spending more privacy budget on noise alone (epsilon so far "
+            f"{_format_epsilon(metrics['epsilon'])}). {_why_no_replies(nonprivate, checkpoint_dir, simulated)}. "
+            "Fix the nodes and start the run again with the same checkpoint folder to resume")
+    return empty
