@@ -158,16 +158,7 @@ def train(
         privacy = resolve_privacy(privacy, task.num_users)
         state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
                             noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None))
-
-        def exchange(plan: RoundPlan) -> RoundReplies:
-            if workers is not None:
-                return exchange_round(workers, trainer, plan, client_seed)
-            result, metrics, path = trainer.contribution(plan, plan.cohort.tolist(), seed=client_seed,
-                                                         source="simulation")
-            # train_loss, mean_update_norm, fraction_clipped, and the path that ran: which users were sampled
-            # decides it (one step or not), and an empty cohort never falls back from the vectorized path
-            return RoundReplies([_on_cpu(result)], nonprivate={**metrics, **path_metrics(path)})
-
+        exchange = _exchange(trainer, workers, client_seed)
         evaluate = None
         if task.evaluate is not None:
             evaluate = lambda rounds_done, theta: evaluate_params(  # noqa: E731
@@ -192,21 +183,40 @@ def train(
                 bar.close()
     if workers is not None:
         stop_workers(workers)
-    load_params(model, layout, loop.state.params)
-    final = loop.records[-1] if loop.records else {}
-    result = TrainResult(model=model, params=loop.state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
-                         privacy=privacy, records=loop.records, stopped=loop.stopped, state=loop.state)
+    result = _result(model, layout, privacy, loop.state, loop.records, loop.stopped)
     if workers is not None:
         dist.broadcast_object_list([_public(result)], src=0)
     return result
 
 
+def _exchange(trainer: LocalTrainer, workers: Workers | None, client_seed: int) -> Callable[[RoundPlan], RoundReplies]:
+    """The loop's exchange in this process: the trainer trains the whole cohort (under torchrun, rank 0's share,
+    the other ranks theirs: :func:`~fed_dp.simulations.engine.distributed.exchange_round`)."""
+
+    def exchange(plan: RoundPlan) -> RoundReplies:
+        if workers is not None:
+            return exchange_round(workers, trainer, plan, client_seed)
+        result, metrics, path = trainer.contribution(plan, plan.cohort.tolist(), seed=client_seed,
+                                                     source="simulation")
+        # train_loss, mean_update_norm, fraction_clipped, and the path that ran: which users were sampled
+        # decides it (one step or not), and an empty cohort never falls back from the vectorized path
+        return RoundReplies([_on_cpu(result)], nonprivate={**metrics, **path_metrics(path)})
+
+    return exchange
+
+
+def _result(model: nn.Module, layout: Any, privacy: PrivacyConfig, state: Any, records: list[dict[str, Any]],
+            stopped: str | None) -> TrainResult:
+    """The run's TrainResult: ``model`` loaded with the state's θ, ε of the last record (0 before any)."""
+    load_params(model, layout, state.params)
+    final = records[-1] if records else {}
+    return TrainResult(model=model, params=state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
+                       privacy=privacy, records=records, stopped=stopped, state=state)
+
+
 def _stopped_result(model: nn.Module, layout: Any, privacy: PrivacyConfig, stop: TrainingStopped) -> TrainResult:
     """The run of ``stop`` up to its last released round, as a TrainResult (its ``stopped`` says why)."""
-    load_params(model, layout, stop.state.params)
-    final = stop.records[-1] if stop.records else {}
-    return TrainResult(model=model, params=stop.state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
-                       privacy=privacy, records=stop.records, stopped=str(stop), state=stop.state)
+    return _result(model, layout, privacy, stop.state, stop.records, str(stop))
 
 
 def _public(result: TrainResult) -> dict[str, Any]:
