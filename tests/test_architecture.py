@@ -145,6 +145,65 @@ def lazy():
     assert "fed_dp.clients.task" in _imports(path)
 
 
+#: The loaders of layers 0–2 that import a module whose name is computed at run time, each the way a lower layer
+#: reaches code it cannot name: the user's own task (``package.module:factory``, built-in names resolved from the
+#: ``fed_dp.tasks`` entry points). Another one is an upward link the string reader cannot see.
+DYNAMIC_LOADERS = {("clients/task.py", "load_task")}
+
+
+def _dynamic_imports(path: Path) -> set[tuple[str, str]]:
+    """(file, enclosing function or ``<module>``) of each call in ``path`` that imports a module named at run time:
+    ``import_module``/``__import__`` of anything but a string constant, or an entry point's ``.load()``."""
+    found = set()
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            computed = name in ("import_module", "__import__") and not (
+                node.args and isinstance(node.args[0], ast.Constant))
+            if computed or (name == "load" and not node.args):
+                found.add((str(path.relative_to(ROOT)), function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "<module>")
+    return found
+
+
+def test_no_lower_layer_imports_a_module_named_at_run_time_but_the_task_loader():
+    """What the string reader cannot see: ``import_module(name)`` with a computed name (or an entry point's
+    ``load()``) in the core, clients or server. Only the task loader does it, and it is listed with why."""
+    found = set()
+    for path in _modules():
+        if LAYERS[_folder(path)][1] < RANK["fed_dp.simulations"]:
+            found |= _dynamic_imports(path)
+    assert found == DYNAMIC_LOADERS
+
+
+def test_the_dynamic_import_reader_sees_computed_names_and_entry_point_loads(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    path = tmp_path / "fed_dp" / "sneaky.py"
+    path.parent.mkdir()
+    path.write_text("""import importlib
+from importlib.metadata import entry_points
+
+
+def up(layer):
+    return importlib.import_module("fed_dp." + layer)
+
+
+def plugins():
+    return [entry.load() for entry in entry_points(group="x")]
+
+
+def fine():
+    return importlib.import_module("json")
+""")
+    assert _dynamic_imports(path) == {("fed_dp/sneaky.py", "up"), ("fed_dp/sneaky.py", "plugins")}
+
+
 def _module_graph() -> dict[str, set[str]]:
     """Module → the modules of the package it imports (lazily or not), each name cut to the module it is in."""
     modules = {_module_name(path): path for path in _modules()}
