@@ -6,6 +6,7 @@ what to do, never as a silent fallback. A real Flower deployment with services i
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -49,24 +50,46 @@ def _train_message(users=(1, 3)) -> Message:
 
 
 class Service:
-    """``serve`` on a socket in ``folder``, in a thread, for ``requests`` messages."""
+    """``serve`` on a socket in ``folder``, in a thread, for ``requests`` messages. Entered once the service logs
+    that it listens (what the local deployment waits for too): its socket file exists from ``bind``, a moment
+    before ``listen``, and a connection in between is refused."""
 
     def __init__(self, folder: Path, requests: int, handlers=None) -> None:
         self.socket = folder / "node.sock"
         self.answered: list[int] = []
+        self.listening = threading.Event()
+        self._log = logging.getLogger("fed_dp.node_service")
+        self._level = self._log.level
+        self._handler = _OnListening(self.listening)
+        self._log.addHandler(self._handler)
+        self._log.setLevel(logging.INFO)
         self.thread = threading.Thread(
             target=lambda: self.answered.append(serve(self.socket, handlers, max_requests=requests)), daemon=True)
         self.thread.start()
 
     def __enter__(self) -> "Service":
-        for _ in range(600):  # bound within 60 s (the default handlers import torch's trainer first)
-            if self.socket.exists():
-                return self
-            self.thread.join(0.1)
-        raise AssertionError("the node service did not bind its socket")
+        if self.listening.wait(60):  # the default handlers import torch's trainer first
+            return self
+        self._detach()
+        raise AssertionError("the node service did not start listening within 60 s")
 
     def __exit__(self, *exc) -> None:
         self.thread.join(30)
+        self._detach()
+
+    def _detach(self) -> None:
+        self._log.removeHandler(self._handler)
+        self._log.setLevel(self._level)
+
+
+class _OnListening(logging.Handler):
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__(logging.INFO)
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("fed-dp node service listening"):
+            self.event.set()
 
 
 @pytest.fixture(autouse=True)
@@ -163,28 +186,37 @@ def test_a_stale_socket_file_is_replaced(tmp_path):
 
 
 def test_the_command_serves_in_its_own_process_until_sigterm(tmp_path):
-    """``fed-dp node-service --socket PATH`` as an operator starts it: answers, then exits 0 on SIGTERM and
-    removes its socket."""
+    """``fed-dp node-service --socket PATH`` as an operator starts it: answers once it says it listens, then exits
+    0 on SIGTERM and removes its socket."""
     import signal
     import subprocess
     import sys
-    import time
 
     socket_path = tmp_path / "svc" / "node.sock"
     command = [sys.executable, "-m", "fed_dp.simulations.cli", "node-service", "--socket", str(socket_path)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    listening = threading.Event()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if "listening on" in line:  # logged after listen(): the socket file exists a moment earlier
+                listening.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while not socket_path.exists():
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
-            time.sleep(0.1)
+        assert listening.wait(60), "".join(lines)
         query = protocol.users_query(5)
         query.metadata.__dict__["_message_id"] = "q3"
         reply = forward(socket_path, query, _context({**NODE_CONFIG, "name": "edge-7"}))
         assert protocol.parse_users_reply(reply, 6) == [0, 1, 2, 3] and protocol.node_name(reply) == "edge-7"
     finally:
         process.send_signal(signal.SIGTERM)
-        output = process.communicate(timeout=30)[0]
+        process.wait(timeout=30)
+        reader.join(30)
+    output = "".join(lines)
     assert process.returncode == 0, output
-    assert "listening on" in output and "stopping (SIGTERM) after 1 message(s)" in output
+    assert "stopping (SIGTERM) after 1 message(s)" in output
     assert not socket_path.exists()
