@@ -144,15 +144,22 @@ def _bind(path: Path) -> Listener:
         os.umask(previous)
 
 
+def _default_handlers() -> dict[str, Handler]:
+    """The project's ClientApp handlers, with torch and the trainer loaded (once, before the first message)."""
+    import fed_dp.clients.replies  # noqa: F401  (torch and the trainer)
+    from fed_dp.clients.handlers import HANDLERS
+
+    return HANDLERS
+
+
 def serve(socket_path: str | os.PathLike[str], handlers: dict[str, Handler] | None = None, *,
           max_requests: int | None = None) -> int:
     """Answer messages at ``socket_path`` until SIGTERM/SIGINT (or ``max_requests``, for tests); returns the
-    number answered. ``handlers``: message kind → handler, default the project's ClientApp handlers."""
-    if handlers is None:
-        import fed_dp.clients.replies  # noqa: F401  (torch and the trainer, once, before the first message)
-        from fed_dp.clients.handlers import HANDLERS
+    number answered. ``handlers``: message kind → handler, default the project's ClientApp handlers.
 
-        handlers = HANDLERS
+    The socket listens before the default handlers load (torch, a few seconds): a ClientApp that connects
+    meanwhile waits in the listen backlog and is answered once they have loaded, instead of being refused.
+    "listening on" is logged when messages are answered without that wait."""
     path = Path(socket_path)
     listener = _bind(path)
 
@@ -167,8 +174,9 @@ def serve(socket_path: str | os.PathLike[str], handlers: dict[str, Handler] | No
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers can only be set there
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     answered = 0
-    log.info("fed-dp node service listening on %s (handlers: %s)", path, ", ".join(sorted(handlers)))
     try:
+        handlers = _default_handlers() if handlers is None else handlers
+        log.info("fed-dp node service listening on %s (handlers: %s)", path, ", ".join(sorted(handlers)))
         while max_requests is None or answered < max_requests:
             with listener.accept() as connection:
                 state["busy"] = True

@@ -19,7 +19,7 @@ from flwr.app import Context, Message, MessageType, RecordDict
 
 from fed_dp.clients import app as client_app
 from fed_dp.clients import handlers as client_handlers
-from fed_dp.clients import protocol
+from fed_dp.clients import node_service, protocol
 from fed_dp.clients.node_service import NODE_CONFIG_KEY, NodeServiceError, forward, serve
 from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import make_optimizer
@@ -153,6 +153,34 @@ def test_a_failing_handler_reaches_the_clientapp_and_the_service_goes_on(tmp_pat
         query.metadata.__dict__["_message_id"] = "q2"
         assert forward(service.socket, query, context).metadata.reply_to_message_id == "q2"
     assert calls == ["m1"] and service.answered == [2]
+
+
+def test_a_clientapp_that_connects_while_the_service_loads_is_answered_once_it_has_loaded(tmp_path, monkeypatch):
+    """The socket listens before the default handlers (torch) load: a ClientApp started right after the service
+    waits for its answer instead of being refused."""
+    loading, loaded = threading.Event(), threading.Event()
+
+    def slow_handlers():
+        loading.set()  # serve has bound and listens
+        loaded.wait(30)  # the handlers load until the test lets them
+        return {"query": lambda msg, context: Message(RecordDict(), reply_to=msg)}
+
+    monkeypatch.setattr(node_service, "_default_handlers", slow_handlers)
+    socket_path = tmp_path / "node.sock"
+    service = threading.Thread(target=serve, args=(socket_path,), kwargs={"max_requests": 1}, daemon=True)
+    service.start()
+    assert loading.wait(30)
+    query = protocol.users_query(5)
+    query.metadata.__dict__["_message_id"] = "q4"
+    replies = []
+    asking = threading.Thread(target=lambda: replies.append(forward(socket_path, query, _context())), daemon=True)
+    asking.start()
+    asking.join(1.0)
+    assert asking.is_alive() and not replies  # connected and waiting while the handlers load
+    loaded.set()
+    asking.join(30)
+    service.join(30)
+    assert replies and replies[0].metadata.reply_to_message_id == "q4" and not socket_path.exists()
 
 
 def test_an_unknown_message_type_is_refused_with_the_known_ones(tmp_path):
