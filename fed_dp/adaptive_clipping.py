@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fed_dp.config import PrivacyConfig
-from fed_dp.randomness import make_noise_source
+from fed_dp.randomness import add_on_grid, grid_step, make_noise_source
 from fed_dp.validation import check_int
 
 
@@ -99,12 +99,22 @@ class AdaptiveClipper:
         """The seed of a ``"torch"`` noise source (None for the secure source)."""
         return getattr(self._source, "seed", None)
 
-    def noisy_unclipped_fraction(self, bit_sum: int, count: int) -> float:
-        """b̃_t = (Σ(b_i − ½) + N(0, σ_b²))/B + ½ from the bit sum and the number of replies."""
+    def noisy_centered_sum(self, bit_sum: int, count: int) -> float:
+        """Σ(b_i − ½) + N(0, σ_b²), formed exactly on the grid Λ_b = 2^(⌊log₂ σ_b⌋ − 36) (``fed_dp.randomness.
+        add_on_grid``): the centered sum is a multiple of ½, hence of Λ_b, and the noise is the float64 draw rounded to
+        Λ_b, so the result is that sum plus a grid integer that does not depend on it. A float32 draw times σ_b added
+        in float64 would leave the true count readable from the result (a neighbour's count minus the result is then
+        not σ_b times any float32)."""
         if not 0 <= bit_sum <= count:
             raise ValueError(f"bit_sum must be in [0, count = {count}], got {bit_sum}")
-        noise = self.config.bit_noise_std * float(self._source.normal(1, torch.float64)[0])
-        return (bit_sum - count / 2 + noise) / self.expected_cohort + 0.5
+        std = self.config.bit_noise_std
+        centered = torch.tensor([bit_sum - count / 2], dtype=torch.float64)
+        return float(add_on_grid(centered, std * self._source.normal(1, torch.float64), grid_step(std))[0])
+
+    def noisy_unclipped_fraction(self, bit_sum: int, count: int) -> float:
+        """b̃_t = (Σ(b_i − ½) + N(0, σ_b²))/B + ½ from the bit sum and the number of replies (post-processing of
+        :meth:`noisy_centered_sum`)."""
+        return self.noisy_centered_sum(bit_sum, count) / self.expected_cohort + 0.5
 
     def step(self, bit_sum: int, count: int) -> float:
         """Release this round's noisy fraction and move ζ; returns the new clip norm ζ_{t+1}."""

@@ -35,7 +35,7 @@ import torch
 from fed_dp.blt import BLTStrategy, config_strategy
 from fed_dp.config import PrivacyConfig
 from fed_dp.factorization import BandedStrategy, optimize_toeplitz
-from fed_dp.randomness import make_noise_source
+from fed_dp.randomness import add_on_grid, grid_step, make_noise_source
 from fed_dp.validation import check_int
 
 Strategy = BandedStrategy | BLTStrategy
@@ -59,7 +59,8 @@ class _BandedStream:
     """BandMF's forward substitution over a (b−1)×d ring buffer: slot s holds y_{t'} for t' ≡ s mod (b − 1)."""
 
     def __init__(self, strategy: BandedStrategy, dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.band = strategy.band.to(device, dtype)  # step t reads row t: C[t, t − r] = band[t, r]
+        self.band = strategy.band.to(device, torch.float64)  # step t reads row t: C[t, t − r] = band[t, r]
+        self._diagonal = strategy.band[:, 0].double().tolist()  # C[t, t] as Python floats (no device sync per step)
         self.lags = strategy.bands - 1
         self.buffer = torch.zeros(self.lags, dim, device=device, dtype=dtype)
         self._lag_steps = torch.arange(1, strategy.bands, device=device)
@@ -67,14 +68,13 @@ class _BandedStream:
         self.output_scale = 1.0
 
     def step(self, t: int, z: torch.Tensor) -> torch.Tensor:
-        """z ← y_t = (z_t − Σ_r C[t, t−r]·y_{t−r}) / C[t, t], in place; y_t enters the ring."""
-        row = self.band[t]
+        """z ← y_t = (z_t − Σ_r C[t, t−r]·y_{t−r}) / C[t, t], in place (z float64, the ring in its own dtype); y_t
+        enters the ring."""
         if self.lags == 0:
-            return z.div_(row[0])
+            return z.div_(self._diagonal[t])
         # band[t, r] is 0 where t − r < 0, so the zero-initialized ring needs no masking.
-        self._weights[(t - self._lag_steps) % self.lags] = row[1:]
-        reciprocal = 1.0 / row[0]
-        z.addmv_(self.buffer.t(), self._weights, beta=reciprocal, alpha=-reciprocal)
+        self._weights[(t - self._lag_steps) % self.lags] = self.band[t, 1:].to(self._weights.dtype)
+        z.sub_(torch.mv(self.buffer.t(), self._weights)).mul_(1.0 / self._diagonal[t])
         self.buffer[t % self.lags].copy_(z)
         return z
 
@@ -89,8 +89,9 @@ class _BLTStream:
         self.output_scale = strategy.scale  # C⁻¹ = n_0·C̃⁻¹
 
     def step(self, t: int, z: torch.Tensor) -> torch.Tensor:
-        z.addmv_(self.buffer.t(), self.theta, alpha=-1.0)
-        torch.addcmul(z.expand_as(self.buffer), self.omega, self.buffer, out=self.buffer)
+        """z ← ỹ_t = z_t − Σ_j θ_j S_j in place (z float64, the buffers in their own dtype); then S_j ← ω_j S_j + ỹ_t."""
+        z.sub_(torch.mv(self.buffer.t(), self.theta))
+        torch.addcmul(z.to(self.buffer.dtype).expand_as(self.buffer), self.omega, self.buffer, out=self.buffer)
         return z
 
 
@@ -174,10 +175,11 @@ class Privatizer:
             )
 
     def _draw(self, std: float) -> torch.Tensor:
-        """w_t = std·[C⁻¹Z]_t for the current t, a fresh d-vector; updates the buffers and advances the index."""
+        """w_t = std·[C⁻¹Z]_t for the current t, a fresh float64 d-vector (z_t drawn in float64, the recursion of a
+        correlated stream computed in float64 against its buffers); updates the buffers and advances the index."""
         t = self.index
         self._check_step(t)
-        z = self._source.normal(self.dim, self.dtype)
+        z = self._source.normal(self.dim, torch.float64)
         if self._stream is None:
             noise = z.mul_(std)
         else:
@@ -198,7 +200,8 @@ class Privatizer:
         return float(noise_std)
 
     def next_noise(self, noise_std: float | None = None) -> torch.Tensor:
-        """w_t = σζ·[C⁻¹Z]_t, a fresh d-vector; advances the stream by one step.
+        """w_t = σζ·[C⁻¹Z]_t, a fresh float64 d-vector; advances the stream by one step. For measurements and tests:
+        a release is :meth:`privatize` (never add this to a sum in float32 yourself: see there).
 
         ``noise_std`` overrides σζ for this step (independent noise only: adaptive clipping changes ζ_t
         and σ_Δ every round).
@@ -206,10 +209,14 @@ class Privatizer:
         return self._draw(self._std(noise_std))
 
     def privatize(self, total: torch.Tensor, noise_std: float | None = None) -> torch.Tensor:
-        """Σ_t + w_t for the sum of clipped updates ``total`` (a new tensor; ``total`` is untouched)."""
+        """Σ_t + w_t for the sum of clipped updates ``total`` (a new tensor of the privatizer's dtype; ``total`` is
+        untouched), formed on the grid Λ = 2^(⌊log₂(σζ)⌋ − 36): Λ·(round(Σ_t/Λ) + round(w_t/Λ)), exact in float64,
+        then rounded once (``fed_dp.randomness.add_on_grid``). Adding a float32 noise vector to the sum would leave
+        outputs that only one of two neighbouring sums can produce (docs/explanation/floating-point.md)."""
         if total.shape != (self.dim,):
             raise ValueError(f"sum of updates has shape {tuple(total.shape)}, expected ({self.dim},)")
-        return self.next_noise(noise_std).add_(total.to(self.device, self.dtype))
+        std = self._std(noise_std)
+        return add_on_grid(total, self._draw(std), grid_step(std), self.dtype)
 
     def noise_variance(self, t: int | None = None) -> float:
         """Per-coordinate variance of w_t on the sum: (σζ)²·‖row t of C⁻¹‖² (default t: the last step)."""

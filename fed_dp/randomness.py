@@ -8,12 +8,20 @@ Both live only on the server, in the secret part of its checkpoints, never in a 
   the first 63 bits of SHA-256("fed-dp/<purpose>/<s>"), so the seed the clients receive for their local
   shuffles ("local-training") reveals nothing about the noise seed ("noise") or the sampler's ("sampler").
   A real run draws every seed from OS entropy (``entropy_seed``).
-* Noise sources. :class:`TorchNormal` draws N(0, 1) with an explicit ``torch.Generator`` (reproducible from its
-  seed: research runs and tests). :class:`SecureNormal` draws them from AES-256 in counter mode keyed with 32
-  bytes of ``os.urandom`` (the ``cryptography`` package, which Flower installs): a cryptographically secure
-  stream that cannot be predicted from earlier outputs. Both are Gaussian only up to floating point, like
-  every floating-point DP implementation: SecureNormal uses the Box–Muller transform with a 53-bit uniform
-  for the radius, so its tails reach sqrt(2·53·ln 2) ≈ 8.6 standard deviations.
+* Noise sources. :class:`TorchNormal` takes its random bits from an explicit ``torch.Generator`` (reproducible from
+  its seed: research runs and tests). :class:`SecureNormal` takes them from AES-256 in counter mode keyed with 32
+  bytes of ``os.urandom`` (the ``cryptography`` package, which Flower installs): a cryptographically secure stream
+  that cannot be predicted from earlier outputs. Both turn the bits into N(0, 1) values in float64 with one
+  transform, :func:`gaussian_from_words` (Box–Muller on a 63-bit radius uniform and a 53-bit angle), so what is
+  said of the noise holds for both, on every device.
+* Noise on a grid (:func:`add_on_grid`). A float32 Gaussian sample scaled by s, fl32(z·s), skips float32 values
+  (Mironov 2012; Jin, McMurtry, Rubinstein & Ohrimenko 2022): an output in such a gap is impossible when the sum
+  under the noise is 0 and possible when it is ζ, which names the neighbour. Every noisy release of fed-dp is
+  instead formed exactly on a grid Λ·ℤ with Λ = 2^(⌊log₂ s⌋ − 36): Λ·(round(S/Λ) + round(s·Y/Λ)), with Y the
+  float64 sample, then rounded once to the model's dtype. The integer noise k = round(s·Y/Λ) does not depend on
+  the data, and it takes every integer of |k| ≤ s·r_max/Λ, so every output possible under one neighbouring sum is
+  possible under the other, with the probability of its own noise integer (docs/explanation/floating-point.md
+  states the remaining likelihood-ratio bound).
 """
 
 from __future__ import annotations
@@ -26,9 +34,13 @@ from typing import Any
 
 import torch
 
-#: Box–Muller's radius uses a 53-bit uniform u ∈ (0, 1]: u = (k + 1)·2⁻⁵³ for a 53-bit integer k.
-_MANTISSA = 53
 _BLOCK = 16  # bytes of one AES block
+#: Random 64-bit words per pair of normal values: one for the radius, one for the angle.
+WORDS_PER_PAIR = 2
+#: The largest |value| the transform can give: sqrt(−2 ln 2⁻⁶³) ≈ 9.35 (the radius of the smallest uniform).
+RADIUS_MAX = math.sqrt(2 * 63 * math.log(2))
+#: Λ = 2^(⌊log₂ s⌋ − GRID_BITS) for noise of std s: :func:`grid_step`.
+GRID_BITS = 36
 
 
 def entropy_seed() -> int:
@@ -44,8 +56,90 @@ def derive_seed(seed: int, purpose: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
+#: Values computed per block (a block's float64 temporaries stay in the CPU's cache; a GPU takes large blocks). The
+#: block size decides which words make which pair, so a seeded stream is reproducible on one kind of device.
+_VALUES_PER_BLOCK = {"cpu": 1 << 16, "cuda": 1 << 24}
+
+
+def block_size(device: torch.device) -> int:
+    """Values per block on ``device`` (an even number)."""
+    return _VALUES_PER_BLOCK.get(device.type, _VALUES_PER_BLOCK["cpu"])
+
+
+def gaussian_from_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """N(0, 1) values in float64 from uniform random 64-bit words (an int64 tensor of even length 2h), written into
+    ``out`` (float64, length 2h, same device; a new tensor if None) and returned.
+
+    Box–Muller: the first h words give u = (⌊w / 2⌋ mod 2⁶³ + 1)·2⁻⁶³ ∈ (0, 1] (a 63-bit uniform; its conversion to
+    float64 is exact below 2⁵³, so the small u of the tails keep their precision) and the radius r = sqrt(−2 ln u) ≤
+    :data:`RADIUS_MAX` ≈ 9.35; the last h words give the angle θ = (w >> 11)·2π·2⁻⁵³ ∈ [−π, π) (53 bits); the
+    values are (r cos θ, r sin θ), all first components then all second ones. Every operation is float64, so the
+    values have float64 resolution (a value of magnitude ≤ 9.35 is off the exact transform of its words by a few
+    2⁻⁵² at most), far finer than the grid of :func:`add_on_grid` (2⁻³⁶ of the std).
+    """
+    if words.dtype != torch.int64 or words.ndim != 1 or words.numel() % WORDS_PER_PAIR:
+        raise ValueError("words must be a flat int64 tensor of even length (two 64-bit words per pair of values)")
+    half = words.numel() // 2
+    if out is None:
+        out = torch.empty(2 * half, dtype=torch.float64, device=words.device)
+    angle, radius = out[:half], out[half:]  # become r cos θ and r sin θ in place
+    radius.copy_(words[:half].bitwise_right_shift(1).bitwise_and_(2**63 - 1))  # [0, 2⁶³), int64 → float64
+    radius.add_(1.0).mul_(2.0**-63).log_().mul_(-2.0).sqrt_()
+    angle.copy_(words[half:].bitwise_right_shift(11)).mul_(2 * math.pi * 2.0**-53)
+    sine = torch.sin(angle)
+    angle.cos_().mul_(radius)
+    radius.mul_(sine)
+    return out
+
+
+def grid_step(std: float) -> float:
+    """Λ = 2^(⌊log₂ std⌋ − :data:`GRID_BITS`): the grid of a noisy release with noise std ``std`` (public: it depends
+    on σ·ζ only, never on the data). Λ lies in (2⁻³⁷·std, 2⁻³⁶·std]."""
+    if not (isinstance(std, (int, float)) and 2.0**-900 < std < 2.0**900):
+        raise ValueError(f"noise std must be a number in (2^-900, 2^900), got {std!r}")
+    return math.ldexp(1.0, math.frexp(std)[1] - 1 - GRID_BITS)
+
+
+def add_on_grid(value: torch.Tensor, noise: torch.Tensor, step: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """fl(Λ·(round(value/Λ) + round(noise/Λ))) in ``dtype`` (a new tensor on ``noise``'s device), Λ = ``step`` a power
+    of two; ``noise`` float64, ``value`` any float dtype, both flat and of one length. Computed block by block.
+
+    Exact up to the final rounding into ``dtype``: dividing a float32 or float64 by a power of two and rounding to an
+    integer are exact in float64, and so is the sum of the two integers while it is below 2⁵³ (beyond, IEEE addition
+    rounds the exact integer sum, a function of that sum alone), and the product by Λ. So the result is a function
+    of the integer a + k, a = round(value/Λ) (the data, moved by at most Λ/2 per coordinate) and k = round(noise/Λ)
+    (the noise, which does not depend on the data): two neighbouring sums' releases differ only through a − a′,
+    never through a rounding that depends on both; the rounding into ``dtype`` is post-processing.
+    """
+    if not (isinstance(step, float) and step > 0 and math.frexp(step)[0] == 0.5):
+        raise ValueError(f"step must be a power of two, got {step!r}")
+    if noise.dtype != torch.float64 or noise.ndim != 1 or value.shape != noise.shape:
+        raise ValueError(f"noise must be a flat float64 tensor and value of its shape, got {noise.dtype} "
+                         f"{tuple(noise.shape)} and {tuple(value.shape)}")
+    scale = 1.0 / step
+    out = torch.empty(noise.shape, dtype=dtype, device=noise.device)
+    size = block_size(noise.device)
+    for start in range(0, noise.numel(), size):
+        block = noise[start : start + size].mul(scale).round_()
+        block.add_(value[start : start + size].to(noise.device, torch.float64, copy=True).mul_(scale).round_())
+        out[start : start + size] = block.mul_(step)
+    return out
+
+
+def _normal_blocks(n: int, device: torch.device, words_of) -> torch.Tensor:
+    """n values of N(0, 1) in float64 on ``device``, block by block: ``words_of(count)`` gives each block's int64
+    words (an even count; the last block takes the words of whole pairs only)."""
+    out = torch.empty(n + n % 2, dtype=torch.float64, device=device)
+    size = block_size(device)
+    for start in range(0, out.numel(), size):
+        block = out[start : start + size]
+        gaussian_from_words(words_of(block.numel()), out=block)
+    return out[:n]
+
+
 class TorchNormal:
-    """N(0, 1) draws from an explicit ``torch.Generator`` (reproducible from ``seed``)."""
+    """N(0, 1) draws from an explicit ``torch.Generator`` (reproducible from ``seed``): its 64-bit words through
+    :func:`gaussian_from_words`."""
 
     kind = "torch"
 
@@ -54,8 +148,12 @@ class TorchNormal:
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
-    def normal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(n, generator=self._generator, device=self.device, dtype=dtype)
+    def normal(self, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """n values of N(0, 1): float64 (:func:`gaussian_from_words`, block by block), then ``dtype``."""
+        def words(count: int) -> torch.Tensor:  # every 64-bit word equally likely
+            return torch.empty(count, dtype=torch.int64, device=self.device).random_(-(2**63), None,
+                                                                                   generator=self._generator)
+        return _normal_blocks(n, self.device, words).to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "seed": self.seed, "generator_state": self._generator.get_state().clone()}
@@ -69,10 +167,10 @@ class TorchNormal:
 class SecureNormal:
     """N(0, 1) draws from AES-256-CTR keyed from ``os.urandom`` (see the module docstring).
 
-    Each draw of n values reads 12·⌈n/2⌉ keystream bytes (rounded up to whole AES blocks): per pair, 8 bytes
-    give the radius sqrt(−2 ln u₁) from a 53-bit uniform u₁ ∈ (0, 1] (float64), 4 bytes the angle
-    θ = 2π·u₂ (float32), and the pair is (r cos θ, r sin θ). State: the key, the initial counter and the
-    number of blocks used, so a resumed stream continues exactly where it stopped.
+    Each draw of n values reads 16·⌈n/2⌉ keystream bytes (whole AES blocks): two 64-bit words per pair, turned into
+    float64 values by :func:`gaussian_from_words` on ``device`` (the words are copied there, 8 bytes per value).
+    State: the key, the initial counter and the number of blocks used, so a resumed stream continues exactly where it
+    stopped.
     """
 
     kind = "secure"
@@ -88,6 +186,7 @@ class SecureNormal:
         self._blocks = 0
         self._encryptor = self._at(0)
         self._zeros = b""
+        self._out = bytearray()
 
     def _at(self, blocks: int):
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -95,26 +194,25 @@ class SecureNormal:
         counter = (int.from_bytes(self._nonce, "big") + blocks) % 2 ** (8 * _BLOCK)
         return Cipher(algorithms.AES(self._key), modes.CTR(counter.to_bytes(_BLOCK, "big"))).encryptor()
 
-    def _bytes(self, count: int) -> bytearray:
-        """The next ``count`` keystream bytes (whole AES blocks are consumed), written in place into a buffer."""
+    def _bytes(self, count: int) -> memoryview:
+        """The next ``count`` keystream bytes (whole AES blocks are consumed), in a buffer of this source that the next
+        call overwrites (so copy or use them before)."""
         blocks = -(-count // _BLOCK)
         self._blocks += blocks
         size = blocks * _BLOCK
         if len(self._zeros) < size:
             self._zeros = bytes(size)
-        out = bytearray(size + _BLOCK - 1)  # update_into wants room for one more block than it writes
-        written = self._encryptor.update_into(memoryview(self._zeros)[:size], out)
-        return out[:written] if written != size else memoryview(out)[:size]
+            self._out = bytearray(size + _BLOCK - 1)  # update_into wants room for one more block than it writes
+        written = self._encryptor.update_into(memoryview(self._zeros)[:size], self._out)
+        if written != size:  # pragma: no cover - CTR mode is a stream: it writes what it reads
+            raise RuntimeError(f"AES-CTR wrote {written} bytes for {size}")
+        return memoryview(self._out)[:size]
 
-    def normal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        half = (n + 1) // 2
-        raw = torch.frombuffer(self._bytes(12 * half), dtype=torch.uint8)
-        bits = raw[: 8 * half].view(torch.int64) & ((1 << _MANTISSA) - 1)
-        u1 = (bits.to(torch.float64) + 1.0).mul_(2.0**-_MANTISSA)  # (0, 1]
-        radius = u1.log_().mul_(-2.0).sqrt_().to(torch.float32)
-        angle = (raw[8 * half : 12 * half].view(torch.int32).to(torch.float32) + 2.0**31).mul_(2 * math.pi / 2.0**32)
-        pairs = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])
-        return pairs[:n].to(self.device, dtype)
+    def normal(self, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """n values of N(0, 1): float64 (:func:`gaussian_from_words`, block by block), then ``dtype``."""
+        def words(count: int) -> torch.Tensor:  # 8 keystream bytes per word, block by block
+            return torch.frombuffer(self._bytes(8 * count), dtype=torch.int64).to(self.device)
+        return _normal_blocks(n, self.device, words).to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "key": bytes(self._key), "nonce": bytes(self._nonce), "blocks": self._blocks}

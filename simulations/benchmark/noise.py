@@ -14,7 +14,7 @@ import torch
 
 from fed_dp.factorization import optimize_toeplitz
 from fed_dp.noise import Privatizer
-from fed_dp.randomness import SecureNormal
+from fed_dp.randomness import SecureNormal, TorchNormal
 from fed_dp.simulations.benchmark.measure import sync, table, timed
 
 
@@ -124,26 +124,43 @@ def format_noise(r: dict[str, Any]) -> str:
 
 
 def bench_secure_noise(dim: int, steps: int, devices: list[str]) -> dict[str, Any]:
-    """N(0, I_d) from the secure source (AES-256-CTR keyed from os.urandom, fed_dp.randomness) against
-    ``torch.randn`` on the same device: medians of ``steps`` draws each, interleaved, and their ratio."""
+    """N(0, I_d) in float64 from the secure source (AES-256-CTR keyed from os.urandom) and from the seeded torch source
+    (both through ``fed_dp.randomness.gaussian_from_words``), against ``torch.randn`` in float32 (a draw without the
+    resolution a release needs) on the same device, and one whole release of independent noise
+    (``Privatizer.privatize``: draw, grid, round to float32) against adding a ``torch.randn`` draw to the sum in
+    float32 as before: medians of ``steps`` draws each, interleaved, and their ratios."""
     rows = []
     for device in devices:
-        secure, generator = SecureNormal(device), torch.Generator(device=device).manual_seed(0)
         resolved = torch.device(device)
-        secure.normal(dim, torch.float32), torch.randn(dim, generator=generator, device=device)  # warm-up
-        secure_times, torch_times = [], []
+        secure, seeded, generator = SecureNormal(device), TorchNormal(0, device), torch.Generator(device=device).manual_seed(0)
+        privatizer = Privatizer(None, noise_std=1.0, dim=dim, seed=1, device=device)
+        total = torch.randn(dim, generator=generator, device=device)
+        draws = {"secure": lambda: secure.normal(dim), "torch source": lambda: seeded.normal(dim),
+                 "randn": lambda: torch.randn(dim, generator=generator, device=device),
+                 "release": lambda: privatizer.privatize(total),
+                 "float32 release": lambda: torch.randn(dim, generator=generator, device=device).add_(total)}
+        for draw in draws.values():  # warm-up
+            draw()
+        times: dict[str, list[float]] = {name: [] for name in draws}
         for _ in range(steps):
-            sync(resolved)
-            secure_times.append(timed(lambda: (secure.normal(dim, torch.float32), sync(resolved)))[0])
-            torch_times.append(timed(lambda: (torch.randn(dim, generator=generator, device=device),
-                                               sync(resolved)))[0])
-        s, t = statistics.median(secure_times), statistics.median(torch_times)
-        rows.append({"device": device, "dim": dim, "secure_seconds": s, "torch_seconds": t,
-                     "throughput_ratio": t / s, "steps": steps})
+            for name, draw in draws.items():
+                sync(resolved)
+                times[name].append(timed(lambda: (draw(), sync(resolved)))[0])
+        median = {name: statistics.median(values) for name, values in times.items()}
+        rows.append({"device": device, "dim": dim, "secure_seconds": median["secure"], "torch_seconds": median["randn"],
+                     "torch_source_seconds": median["torch source"], "throughput_ratio": median["randn"] / median["secure"],
+                     "torch_source_ratio": median["randn"] / median["torch source"],
+                     "release_seconds": median["release"], "float32_release_seconds": median["float32 release"],
+                     "steps": steps})
     return {"rows": rows}
 
 
 def format_secure_noise(r: dict[str, Any]) -> str:
-    return "\n".join(f"{row['device']}: d = {row['dim']:.0e}: secure {1e3 * row['secure_seconds']:.1f} ms, torch.randn "
-                     f"{1e3 * row['torch_seconds']:.1f} ms: secure throughput {row['throughput_ratio']:.2f}× torch's"
-                     for row in r["rows"])
+    return "\n".join(
+        f"{row['device']}: d = {row['dim']:.0e}: float64 N(0, I_d) from the secure source {1e3 * row['secure_seconds']:.1f} ms, "
+        f"from the seeded torch source {1e3 * row['torch_source_seconds']:.1f} ms; torch.randn in float32 "
+        f"{1e3 * row['torch_seconds']:.1f} ms: secure throughput {row['throughput_ratio']:.2f}× torch.randn's (torch source "
+        f"{row['torch_source_ratio']:.2f}×). A release on the grid {1e3 * row['release_seconds']:.1f} ms against "
+        f"{1e3 * row['float32_release_seconds']:.1f} ms for a float32 draw added in float32 "
+        f"({row['release_seconds'] / row['float32_release_seconds']:.2f}×)"
+        for row in r["rows"])

@@ -16,6 +16,7 @@ from scipy import stats
 from fed_dp.aggregation import private_average, unscale
 from fed_dp.config import PrivacyConfig
 from fed_dp.noise import Privatizer, make_privatizer
+from fed_dp.randomness import TorchNormal
 from fed_dp.factorization import banded_from_dense, toeplitz_strategy
 
 SIGMA, CLIP, COHORT = 1.3, 0.7, 25
@@ -67,7 +68,7 @@ def test_fixed_denominator_does_not_depend_on_who_replied():
     total = torch.randn(dim, generator=torch.Generator().manual_seed(0))  # sum of 3 users' updates
     got = private_average(total, Privatizer(None, noise_std=1.0, dim=dim, seed=5), COHORT)
     twin_noise = Privatizer(None, noise_std=1.0, dim=dim, seed=5).next_noise()
-    torch.testing.assert_close(got, (total + twin_noise) / COHORT)
+    torch.testing.assert_close(got, ((total + twin_noise) / COHORT).float())
 
 
 def test_private_average_leaves_the_input_untouched():
@@ -108,8 +109,8 @@ def test_streaming_bandmf_equals_dense_inverse_times_z(name):
     rounds, dim, seed = strategy.rounds, 257, 21
     privatizer = Privatizer(strategy, noise_std=1.0, dim=dim, seed=seed, dtype=torch.float64)
     streamed = torch.stack([privatizer.next_noise() for _ in range(rounds)])
-    generator = torch.Generator().manual_seed(seed)  # the same draws, one z_t per round
-    z = torch.stack([torch.randn(dim, generator=generator, dtype=torch.float64) for _ in range(rounds)])
+    source = TorchNormal(seed)  # the same draws, one z_t per round
+    z = torch.stack([source.normal(dim) for _ in range(rounds)])
     dense = torch.linalg.solve_triangular(strategy.dense(), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-12, atol=1e-12)
 
@@ -119,10 +120,8 @@ def test_streaming_bandmf_float32_matches_dense_to_single_precision(device):
     strategy = STRATEGIES["toeplitz"]()
     privatizer = Privatizer(strategy, noise_std=2.0, dim=1000, seed=4, device=device)
     streamed = torch.stack([privatizer.next_noise() for _ in range(strategy.rounds)]).double().cpu()
-    generator = torch.Generator(device=device).manual_seed(4)
-    z = torch.stack(
-        [torch.randn(1000, generator=generator, device=device) for _ in range(strategy.rounds)]
-    ).double().cpu()
+    source = TorchNormal(4, device)
+    z = torch.stack([source.normal(1000) for _ in range(strategy.rounds)]).cpu()
     dense = 2.0 * torch.linalg.solve_triangular(strategy.dense(), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-5, atol=1e-5)
 
@@ -260,8 +259,8 @@ def test_streaming_blt_equals_dense_inverse_times_z(strategy):
     privatizer = Privatizer(strategy, noise_std=1.7, dim=dim, seed=seed, dtype=torch.float64)
     assert privatizer.buffer.shape == (3, dim)  # ℓ buffers of d floats, nothing of size T
     streamed = torch.stack([privatizer.next_noise() for _ in range(rounds)])
-    generator = torch.Generator().manual_seed(seed)
-    z = torch.stack([torch.randn(dim, generator=generator, dtype=torch.float64) for _ in range(rounds)])
+    source = TorchNormal(seed)
+    z = torch.stack([source.normal(dim) for _ in range(rounds)])
     dense = 1.7 * torch.linalg.solve_triangular(_dense_blt(strategy), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-12, atol=1e-12)
 
@@ -271,8 +270,8 @@ def test_streaming_blt_equals_dense_inverse_times_z(strategy):
 def test_streaming_blt_float32_matches_dense_to_single_precision(device, strategy):
     privatizer = Privatizer(strategy, noise_std=0.5, dim=1000, seed=6, device=device)
     streamed = torch.stack([privatizer.next_noise() for _ in range(strategy.rounds)]).double().cpu()
-    generator = torch.Generator(device=device).manual_seed(6)
-    z = torch.stack([torch.randn(1000, generator=generator, device=device) for _ in range(strategy.rounds)]).double().cpu()
+    source = TorchNormal(6, device)
+    z = torch.stack([source.normal(1000) for _ in range(strategy.rounds)]).cpu()
     dense = 0.5 * torch.linalg.solve_triangular(_dense_blt(strategy), z, upper=False)
     torch.testing.assert_close(streamed, dense, rtol=1e-5, atol=1e-5)
 

@@ -13,7 +13,7 @@ from scipy import stats
 from fed_dp.config import PrivacyConfig
 from fed_dp.noise import Privatizer
 from fed_dp.optimizers import make_optimizer
-from fed_dp.randomness import SecureNormal, TorchNormal, derive_seed, make_noise_source
+from fed_dp.randomness import RADIUS_MAX, SecureNormal, TorchNormal, derive_seed, gaussian_from_words, make_noise_source
 from fed_dp.round import init_server
 
 
@@ -37,27 +37,45 @@ def test_the_server_uses_derived_seeds_so_the_clients_seed_reveals_neither_noise
                                Privatizer(None, noise_std=1.0, dim=8, seed=state.privatizer.seed).next_noise())
 
 
-def test_secure_normal_is_standard_normal():
-    """KS test against N(0, 1) on 200,001 draws (an odd count: the last pair is cut): it accepts the standard
-    normal (p > 1e-5; the source cannot be seeded, so the threshold keeps a false alarm below 1 in 10⁵) and
-    rejects scales 0.95 and 1.05 (p < 1e-9), so it sees a 5% error of the noise scale."""
-    draws = SecureNormal().normal(200_001, torch.float64).numpy()
-    assert draws.shape == (200_001,)
-    assert stats.kstest(draws, "norm").pvalue > 1e-5
-    for wrong in (0.95, 1.05):
-        assert stats.kstest(draws / wrong, "norm").pvalue < 1e-9  # standardized: the statistic of N(0, wrong)
-    small = SecureNormal()
-    assert [tuple(small.normal(n, torch.float32).shape) for n in (1, 7, 2)] == [(1,), (7,), (2,)]
+def test_draws_of_any_count_have_that_count():
+    for source in (SecureNormal(), TorchNormal(1)):
+        assert [tuple(source.normal(n, torch.float32).shape) for n in (1, 7, 2, 0)] == [(1,), (7,), (2,), (0,)]
 
 
-def test_secure_normal_uses_53_bit_radii_and_float32_angles():
-    """The radius sqrt(−2 ln u) with u ≥ 2⁻⁵³ reaches sqrt(2·53·ln 2) ≈ 8.57; a float32 uniform would stop at
-    sqrt(2·24·ln 2) ≈ 5.77, so the largest of 10⁷ draws (expected ≈ 5.3 for N(0, 1)) does not separate them:
-    check the construction on the extreme bytes instead."""
+def test_the_transform_reaches_its_documented_extremes_from_the_extreme_words():
+    """Box–Muller on 63-bit radius uniforms: the all-zero radius word gives u = 2⁻⁶³, r = sqrt(2·63·ln 2) ≈ 9.35
+    (a float32 uniform would stop at 5.77, the 53-bit one of before at 8.57); the angle word 0 is θ = 0 (the value is
+    +r, then 0), and the angle word 2⁶² is θ = π/2 (0, then +r). The all-ones radius word is u = 1 − 2⁻⁶³ + 2⁻⁶³ = 1
+    after rounding: r = 0. A 10⁷-draw test could not see these tails (the largest of 10⁷ normals is ≈ 5.3)."""
+    radius_max = math.sqrt(2 * 63 * math.log(2))
+    assert RADIUS_MAX == pytest.approx(radius_max, rel=1e-15)
+    words = torch.tensor([0, 0, 0, 2**62], dtype=torch.int64)  # radii of pairs 1, 2; angles of pairs 1, 2
+    first, second = gaussian_from_words(words).view(2, 2)  # (r cos θ of each pair), (r sin θ of each pair)
+    assert first[0].item() == pytest.approx(radius_max, rel=1e-12) and abs(second[0].item()) < 1e-12
+    assert abs(first[1].item()) < 1e-12 and second[1].item() == pytest.approx(radius_max, rel=1e-12)
+    assert torch.equal(gaussian_from_words(torch.tensor([-1, 0], dtype=torch.int64)), torch.zeros(2, dtype=torch.float64))
     source = SecureNormal()
-    source._bytes = lambda count: bytearray(count)  # all-zero keystream: u1 = 2⁻⁵³, angle 2π·2⁻¹ = π
-    value = source.normal(2, torch.float64)
-    assert value[0].item() == pytest.approx(-math.sqrt(2 * 53 * math.log(2)), rel=1e-6)
+    source._bytes = lambda count: memoryview(bytearray(count))  # an all-zero keystream: every radius word is 0
+    assert source.normal(3, torch.float64)[0].item() == pytest.approx(radius_max, rel=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: TorchNormal(3), SecureNormal], ids=["torch", "secure"])
+def test_both_sources_are_standard_normal_in_float64_with_float64_resolution(make):
+    """KS against N(0, 1) on 200,001 draws (accepts at p > 1e-5; rejects the scales 0.95 and 1.05 at p < 1e-9); the
+    draws are float64 values that float32 cannot hold (the grid of a release needs a resolution finer than 2⁻³⁶ of the
+    std: a float32 sample would be a multiple of 2⁻²⁴ of its magnitude)."""
+    draws = make().normal(200_001)
+    assert draws.dtype == torch.float64 and draws.shape == (200_001,)
+    assert stats.kstest(draws.numpy(), "norm").pvalue > 1e-5
+    for wrong in (0.95, 1.05):
+        assert stats.kstest(draws.numpy() / wrong, "norm").pvalue < 1e-9
+    assert float((draws.float().double() != draws).double().mean()) > 0.999
+
+
+def test_a_seeded_source_is_reproducible_whatever_the_draw_sizes_between():
+    a, b = TorchNormal(5), TorchNormal(5)
+    assert torch.equal(a.normal(70_001), b.normal(70_001))
+    assert torch.equal(a.normal(3), b.normal(3)) and not torch.equal(TorchNormal(6).normal(3), TorchNormal(5).normal(3))
 
 
 def test_secure_normal_instances_differ_and_resume_exactly():
