@@ -27,12 +27,15 @@ stored inputs (book-keeping: no second backward pass). Where the Gram matrix ove
 more than the gradient itself (long sequences), or where the per-coordinate geometry of scale-then-privatize or
 the squares of moment estimation need G_u, G_u is materialized for a chunk of users at a time.
 
-The clip holds in floating point, as on the other paths (``fed_dp.clipping``): each user's norm N̄_u is an upper
-bound of ‖Δ_u‖ computed in float64 with a proved error term (:class:`_SquaredNorms`: squares of float32 values
-are exact in float64, sums of n nonnegative terms err by γ_n relative, Gram sums — where cancellation can occur —
-by γ·P_u² absolute with P_u = Σ_q ‖x_q‖‖δ_q‖ ≥ ‖G_u‖), the factor comes from ``clip_factors`` and is rounded
-towards 0 into float32, so the exact norm of w_u·G_u is at most ζ; the float32 sums over users are the node's
-sum, whose rounding docs/explanation/floating-point.md bounds.
+The clip holds for what is released, as on the other paths (``fed_dp.clipping``; docs/explanation/floating-point.md,
+"One step"): each user's norm N̄_u is an upper bound of ‖Δ_u‖ computed in float64 with a proved error term
+(:class:`_SquaredNorms`: squares of float32 values are exact in float64, sums of n nonnegative terms err by γ_n
+relative, Gram sums — where cancellation can occur — by γ·P_u² absolute with P_u = Σ_q ‖x_q‖‖δ_q‖ ≥ ‖G_u‖). The
+node's sum, though, is a product over all users' rows, whose rounding grows with P_u, not with ‖G_u‖: where a user
+has several rows it is formed in float64, and the factor comes from a bound of what the sum releases for that user
+(:func:`_release_bounds`: N̄_u plus 2⁻²⁴·P_u, with room for the float32 roundings), through ``clip_factors``, rounded
+towards 0 into float32. A user alone at a node is released within ζ in float64 whatever its rows; between users
+the node's sum (float64, rounded once) adds the rounding of a sum.
 
 Results equal the sequential path's (``clients.training.users_contribution``) up to float32 rounding (the tests
 compare them per layer type). What this path cannot train is said once in the log and those users go the usual
@@ -45,6 +48,7 @@ hooks cannot see is found before any update is released.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -135,6 +139,19 @@ def unsupported_reason(model: nn.Module, loss: Loss) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def float32_matmul_exactly() -> Iterator[None]:
+    """float32 matrix products in full float32 (``torch.set_float32_matmul_precision("highest")``) for the duration: the
+    node's sums are bounded for IEEE float32 products, which TF32 on a GPU (10-bit significands) or bfloat16 passes
+    on a CPU would not be. The caller's setting is restored."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 # --- what the hooks record -------------------------------------------------------------------------------------
 
 @dataclass
@@ -207,11 +224,20 @@ class _PerUser:
     def norm_sq(self, scale_sq: torch.Tensor | None) -> _SquaredNorms:  # ‖s ⊙ G_u‖², bounded
         raise NotImplementedError
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:  # Σ_u w_u G_u, flat
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:  # Σ_u w_u G_u, flat (float32 or float64)
         raise NotImplementedError
 
-    def weighted_squares(self, w_sq: torch.Tensor) -> torch.Tensor:  # Σ_u w_u² G_u ⊙ G_u, flat
+    def weighted_squares(self, w_sq: torch.Tensor) -> torch.Tensor:  # Σ_u w_u² G_u ⊙ G_u, flat, float64
+        """In float64 on every form: the squares of float32 values are exact there (a float32 square overflows above
+        1.8·10¹⁹, and 0·∞ would be NaN), and a sum of nonnegative terms rounds by a relative γ only."""
         raise NotImplementedError
+
+    def release_error(self, scale_max: float) -> torch.Tensor | float:
+        """E_u: the part of each user's term V_u of :meth:`weighted_sum` (and of its squares) that the float64 arithmetic
+        before the final rounding to float32 may add beyond w_u·G_u, per unit |w_u| and in the scaled geometry:
+        ‖s ⊙ V_u − w_u·s ⊙ G_u‖ ≤ |w_u|·E_u. 0 where each term is one float32 product of a materialized value (the
+        margin of ``clip_factors`` and of :func:`_release_bounds` covers its roundings)."""
+        return 0.0
 
     def extra_macs(self, scaled: bool, squares: bool) -> int:
         """Multiply-adds this path spends on the chunk's norms and squares beyond what training the users one at a
@@ -234,7 +260,7 @@ class _Dense(_PerUser):
         return w @ self.grads
 
     def weighted_squares(self, w_sq):
-        return w_sq @ self.grads.square()
+        return w_sq.double() @ self.grads.double().square()
 
 
 @dataclass
@@ -310,15 +336,51 @@ class _Outer(_PerUser):
         q, k, o = self.x.shape[1], self.x.shape[2], self.d.shape[2]
         return q * (k + o) < k * o
 
+    def _row_blocks(self) -> Iterator[slice]:
+        """Consecutive blocks of users whose rows in float64 take at most ``block_bytes``."""
+        per_user = self.x.shape[1] * (self.x.shape[2] + self.d.shape[2]) * 8
+        size = max(1, self.block_bytes // per_user)
+        return (slice(start, start + size) for start in range(0, self.x.shape[0], size))
+
     def weighted_sum(self, w):
-        weighted = self.d * w.to(self.d.dtype).view(-1, 1, 1)
-        return (weighted.flatten(0, 1).T @ self.x.flatten(0, 1)).flatten()
+        """Σ_u w_u G_u. Rank one: one float32 product of the re-weighted δ with x (each user's term is
+        fl(fl(w_u δ_j) x_k), two roundings, covered by :func:`_release_bounds`). Otherwise in float64, block by block of
+        users: w_u δ_q is exact in float64 (two float32 factors) and every term of the sum over the n rows of the
+        chunk goes through at most n + (blocks) roundings, so user u's part of the result is within
+        γ_(n+blocks+2)·|w_u|·P_u of w_u·G_u (Higham 2002, §3.1), however much its rows cancel
+        (:meth:`release_error`)."""
+        if self._rank_one():
+            weighted = self.d * w.to(self.d.dtype).view(-1, 1, 1)
+            return (weighted.flatten(0, 1).T @ self.x.flatten(0, 1)).flatten()
+        total = torch.zeros(self.d.shape[2], self.x.shape[2], dtype=torch.float64, device=self.x.device)
+        for users in self._row_blocks():
+            d = (self.d[users].double() * w[users].double().view(-1, 1, 1)).flatten(0, 1)
+            total.addmm_(d.T, self.x[users].double().flatten(0, 1))
+        return total.flatten()
 
     def weighted_squares(self, w_sq):
-        w_sq = w_sq.to(self.d.dtype)
+        """Σ_u w_u² G_u ⊙ G_u. Rank one: (w_u² δ_u²)(x_u²)ᵀ (no cancellation: every term is a product of squares).
+        Otherwise from G_u materialized in float64 (:meth:`_blocks`, within γ_(Q+2)·P_u of G_u), so the squares of a
+        user whose rows cancel are those of a vector within the released bound (a float32 G_u would carry 2⁻²⁴·P_u of
+        rounding into them)."""
         if self._rank_one():  # Σ_u w_u² (δ_u²)(x_u²)ᵀ
-            return ((self.d[:, 0].square() * w_sq.unsqueeze(1)).T @ self.x[:, 0].square()).flatten()
-        return sum(w_sq[users] @ grads.square() for users, grads in self._blocks())
+            weighted = self.d[:, 0].double().square() * w_sq.double().unsqueeze(1)
+            return (weighted.T @ self.x[:, 0].double().square()).flatten()
+        return sum(w_sq[users].double() @ grads.square() for users, grads in self._blocks(torch.float64))
+
+    def release_error(self, scale_max):
+        """E_u = 2⁻²⁴·max(s)·P_u for Q > 1; 0 for rank one (no user has two rows to cancel). 2⁻²⁴ ≥ γ_h with
+        h = n + blocks + Q + 4 (the float64 weighted sum, the float64 G_u of the squares, the scale's product) for any
+        chunk of fewer than 2²⁸ rows, so it covers that rounding; and, being float32's own unit, it keeps
+        |w_u|·P_u ≤ 2²⁴·ζ for every user, so no user's rows can put more than 2γ_h·2²⁴·ζ (h·2⁻²⁸·ζ) into the
+        rounding of another user's terms: the order of a float32 sum's own rounding."""
+        if self._rank_one():
+            return 0.0
+        rows = self.x.shape[0] * self.x.shape[1]
+        h = rows + sum(1 for _ in self._row_blocks()) + self.x.shape[1] + 4
+        if _gamma(h) > 2.0**-24:
+            raise Unsupported(f"a chunk of {rows} rows is too large for the release bound (at most 2^28 rows)")
+        return self._p() * (scale_max * 2.0**-24)
 
 
 @dataclass
@@ -352,7 +414,7 @@ class _Rows(_PerUser):
         return self._scatter(self.rows * w.to(self.rows.dtype)[self.owner].unsqueeze(1))
 
     def weighted_squares(self, w_sq):
-        return self._scatter(self.rows.square() * w_sq.to(self.rows.dtype)[self.owner].unsqueeze(1))
+        return self._scatter(self.rows.double().square() * w_sq.double()[self.owner].unsqueeze(1))
 
 
 # --- each layer type's per-user gradients from one call's input and output gradient ----------------------------
@@ -508,16 +570,21 @@ def _forward_backward(model: nn.Module, loss: Loss, examples: Examples, users: i
 
 def _verify(model: nn.Module, loss: Loss, examples: Examples, users: int, layout: ParamLayout,
             names: dict[int, str], chunk: _Chunk) -> None:
-    """Σ_u G_u from the hooks equals autograd's gradient of J = Σ_u L_u for every parameter (float tolerance)."""
+    """Σ_u G_u from the hooks equals autograd's gradient of J = Σ_u L_u for every parameter (float tolerance; where a
+    user's rows can cancel, autograd's own float32 sum may err by up to γ_n·Σ_u P_u, so that much more is allowed)."""
     params = [p for p in model.parameters() if p.requires_grad]
     losses = _user_losses(loss, model, examples, users)
     expected = torch.autograd.grad(losses.sum(), params, allow_unused=True)
     ones = torch.ones(users, dtype=FLAT_DTYPE, device=losses.device)
     for p, grad in zip(params, expected):
         name = names[id(p)]
-        got = chunk.grads[name].weighted_sum(ones) if name in chunk.grads else torch.zeros(p.numel(), device=p.device)
         want = torch.zeros(p.numel(), device=p.device) if grad is None else grad.reshape(-1)
-        if not torch.allclose(got, want, rtol=1e-3, atol=1e-5 * (1 + float(want.abs().max()))):
+        got = chunk.grads[name].weighted_sum(ones).to(want.dtype) if name in chunk.grads else torch.zeros_like(want)
+        part = chunk.grads.get(name)
+        cancelling = isinstance(part, _Outer) and not part._rank_one()
+        slack = 2 * float(part._p().sum()) * part.x.shape[0] * part.x.shape[1] * 2.0**-24 if cancelling else 0.0
+        if not (torch.allclose(got, want, rtol=1e-3, atol=1e-5 * (1 + float(want.abs().max())))
+                or float((got - want).double().norm()) <= 1e-3 * float(want.double().norm()) + slack):
             raise Unsupported(f"parameter {name} gets gradient from outside the forward of its layer (its "
                                "per-user gradients do not add up to autograd's)")
 
@@ -585,6 +652,34 @@ def _update_norms(result: _Chunk, offsets: dict[str, tuple[int, int]], scale_sq:
     return (total.value + total.error).sqrt() * (lr * (1 + _gamma(2 * layers + 4)))
 
 
+#: (1 + 2⁻²¹): room for the float32 roundings of a user's released terms beyond the one ``clip_factors`` covers: at
+#: most four more (rank one: fl(w·δ), then the product with x; the scaled geometry's product with s; the squares'
+#: δ², w², x² and their products), (1 + 2⁻²⁴)⁴ < 1 + 2⁻²¹.
+RELEASE_MARGIN = 1 + 2.0**-21
+
+
+def _release_bounds(result: _Chunk, offsets: dict[str, tuple[int, int]], scale: torch.Tensor | None, lr: float,
+                    norms: torch.Tensor) -> torch.Tensor:
+    """N̄′_u ≥ the norm of what user u's terms put into the node's sum before its final rounding to float32, per unit of
+    the clip factor: N̄′_u = (N̄_u + η·Σ_layers E_u)·(1 + 2⁻²¹), with N̄_u ≥ ‖Δ_u‖ (:func:`_update_norms`) and E_u a
+    bound of the float64 rounding of each layer's weighted sum (``_PerUser.release_error``: 2⁻²⁴·max(s)·P_u where a
+    user's rows can cancel), rounded up by a few float64 ulps.
+
+    Why (docs/explanation/floating-point.md, "One step"): the bound of ‖Δ_u‖ alone holds for the exact product w_u·G_u,
+    but the node's sum is computed by products over all users' rows, whose rounding grows with P_u = Σ_q ‖x_q‖‖δ_q‖,
+    not with ‖G_u‖: rows that cancel (an input and its negative, one example twice with two labels) released 10⁵ ζ in
+    float32. With the factor f_u = clip_factors(N̄′_u), each user's part V_u of the float64 sum has
+    ‖V_u‖ ≤ |w_u|(‖G_u‖ + E_u) ≤ f_u·N̄′_u/(1 + 2⁻²¹), and its float32 roundings (one covered by ``clip_factors``, the
+    others by :data:`RELEASE_MARGIN`) keep a user alone at a node within ζ: l2_norm(released) ≤ ζ, squares within
+    ζ². Between users, the node's sum adds only the roundings of a sum (docs: the sensitivity's κ)."""
+    extra: torch.Tensor | float = 0.0
+    for name, grads in result.grads.items():
+        lo, hi = offsets[name]
+        scale_max = 1.0 if scale is None else float(scale[lo:hi].double().max()) * (1 + 4 * _U64)
+        extra = extra + grads.release_error(scale_max)
+    return (norms + lr * extra * (1 + 8 * _U64)) * (RELEASE_MARGIN * (1 + 4 * _U64))
+
+
 def _cost_refusal(result: _Chunk, users: int, *, scaled: bool, squares: bool, limit: float) -> None:
     """Raise ``Unsupported`` when this chunk's extra multiply-adds per user exceed ``limit``, naming the layers."""
     costs = {name: grads.extra_macs(scaled, squares) / users for name, grads in result.grads.items()}
@@ -622,9 +717,10 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *, budge
     with torch.no_grad():
         for name, value in layout.unflatten(params).items():
             dict(model.named_parameters())[name].copy_(value)
-    scale_sq = None if scale is None else scale.square()
-    total = torch.zeros_like(params)
-    squares = torch.zeros_like(params) if send_squares else None
+    scale_wide = None if scale is None else scale.double()
+    scale_sq = None if scale is None else scale_wide.square()  # exact: a float32 squared fits in float64
+    total = torch.zeros_like(params, dtype=torch.float64)  # the node's sum, rounded once to float32 at the end
+    squares = torch.zeros_like(params, dtype=torch.float64) if send_squares else None
     loss_sum, norm_sum, clipped = 0.0, 0.0, 0
     verified = getattr(model, "_fed_dp_one_step_verified", None) is loss
     for n, m, chunk in _chunks(users, work.training, budget_bytes):
@@ -648,18 +744,21 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *, budge
             user = chunk[int((~torch.isfinite(norms)).nonzero()[0])][0]
             raise ValueError(f"the update of user {user} contains NaN or Inf values (round {round_index + 1}); it "
                              "cannot be clipped: lower local.lr, or check that user's data and the loss")
-        # u_u = w_u·g_u (⊙ s for STP) with w_u = −η·f_u rounded towards 0: ‖u_u‖ ≤ f_u·N̄_u, within ζ in floating point
-        w = -round_down_float32(lr * clip_factors(norms, clip_norm, dim=layout.size))
-        for name, grads in result.grads.items():
-            lo, hi = offsets[name]
-            part = grads.weighted_sum(w)
-            total[lo:hi] += part if scale is None else part * scale[lo:hi]
-            if squares is not None:
-                sq = grads.weighted_squares(w.square())
-                squares[lo:hi] += sq if scale is None else sq * scale_sq[lo:hi]
+        # u_u = w_u·g_u (⊙ s for STP) with w_u = −η·f_u rounded towards 0, f_u from a bound of what the sums release
+        bounds = _release_bounds(result, offsets, scale, lr, norms)
+        w = -round_down_float32(lr * clip_factors(bounds, clip_norm, dim=layout.size))
+        with float32_matmul_exactly():
+            for name, grads in result.grads.items():
+                lo, hi = offsets[name]
+                part = grads.weighted_sum(w).double()
+                total[lo:hi] += part if scale is None else part * scale_wide[lo:hi]
+                if squares is not None:
+                    sq = grads.weighted_squares(w.square()).double()
+                    squares[lo:hi] += sq if scale is None else sq * scale_sq[lo:hi]
         loss_sum += float(result.losses.double().sum())
         norm_sum += float(norms.sum())
         clipped += int((norms > clip_norm).sum())
     count = len(users)
-    return Contribution(total, count, squares, source=work.source, unclipped=count - clipped,
+    squares = None if squares is None else squares.to(params.dtype)
+    return Contribution(total.to(params.dtype), count, squares, source=work.source, unclipped=count - clipped,
                         scaled=scale is not None), node_metrics(count, loss_sum, norm_sum, clipped)
