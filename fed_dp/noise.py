@@ -216,7 +216,9 @@ class Privatizer:
         if total.shape != (self.dim,):
             raise ValueError(f"sum of updates has shape {tuple(total.shape)}, expected ({self.dim},)")
         std = self._std(noise_std)
-        return add_on_grid(total, self._draw(std), grid_step(std), self.dtype)
+        release = add_on_grid(total, self._draw(std), grid_step(std), self.dtype)
+        self._source.prefetch(self.dim)  # the secure source makes the next round's keystream while users train
+        return release
 
     def noise_variance(self, t: int | None = None) -> float:
         """Per-coordinate variance of w_t on the sum: (σζ)²·‖row t of C⁻¹‖² (default t: the last step)."""

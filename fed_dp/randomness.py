@@ -30,6 +30,7 @@ import hashlib
 import math
 import os
 import secrets
+import threading
 from typing import Any
 
 import torch
@@ -155,6 +156,9 @@ class TorchNormal:
                                                                                    generator=self._generator)
         return _normal_blocks(n, self.device, words).to(dtype)
 
+    def prefetch(self, n: int) -> None:
+        """Nothing to make ahead: the generator runs where the values are needed."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "seed": self.seed, "generator_state": self._generator.get_state().clone()}
 
@@ -169,8 +173,10 @@ class SecureNormal:
 
     Each draw of n values reads 16·⌈n/2⌉ keystream bytes (whole AES blocks): two 64-bit words per pair, turned into
     float64 values by :func:`gaussian_from_words` on ``device`` (the words are copied there, 8 bytes per value).
-    State: the key, the initial counter and the number of blocks used, so a resumed stream continues exactly where it
-    stopped.
+    :meth:`prefetch` produces the keystream of the next draw in a background thread (into page-locked memory when
+    the device is a GPU, so the copy overlaps too), while the caller does other work (the users' training): the
+    bytes are the same, only made earlier. State: the key, the initial counter and the number of blocks consumed, so
+    a resumed stream continues exactly where it stopped (bytes made ahead and not consumed are made again then).
     """
 
     kind = "secure"
@@ -186,7 +192,8 @@ class SecureNormal:
         self._blocks = 0
         self._encryptor = self._at(0)
         self._zeros = b""
-        self._out = bytearray()
+        self._ahead: list[torch.Tensor] = []  # keystream made ahead, in stream order, not yet consumed
+        self._worker: threading.Thread | None = None
 
     def _at(self, blocks: int):
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -194,24 +201,54 @@ class SecureNormal:
         counter = (int.from_bytes(self._nonce, "big") + blocks) % 2 ** (8 * _BLOCK)
         return Cipher(algorithms.AES(self._key), modes.CTR(counter.to_bytes(_BLOCK, "big"))).encryptor()
 
-    def _bytes(self, count: int) -> memoryview:
-        """The next ``count`` keystream bytes (whole AES blocks are consumed), in a buffer of this source that the next
-        call overwrites (so copy or use them before)."""
-        blocks = -(-count // _BLOCK)
-        self._blocks += blocks
-        size = blocks * _BLOCK
+    def _make(self, size: int) -> torch.Tensor:
+        """The next ``size`` bytes of the keystream (a multiple of 16) as a uint8 tensor (page-locked for a GPU)."""
         if len(self._zeros) < size:
             self._zeros = bytes(size)
-            self._out = bytearray(size + _BLOCK - 1)  # update_into wants room for one more block than it writes
-        written = self._encryptor.update_into(memoryview(self._zeros)[:size], self._out)
+        # update_into wants room for one more block than it writes
+        out = torch.empty(size + _BLOCK - 1, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        written = self._encryptor.update_into(memoryview(self._zeros)[:size], memoryview(out.numpy()))
         if written != size:  # pragma: no cover - CTR mode is a stream: it writes what it reads
             raise RuntimeError(f"AES-CTR wrote {written} bytes for {size}")
-        return memoryview(self._out)[:size]
+        return out[:size]
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    def prefetch(self, n: int) -> None:
+        """Start making the keystream of a draw of ``n`` values in a background thread; the next :meth:`normal` takes
+        it (joining the thread). The stream, its state and the values drawn are the same with or without it."""
+        self._join()
+        size = 8 * WORDS_PER_PAIR * ((n + 1) // 2)
+        if len(self._zeros) < size:
+            self._zeros = bytes(size)
+        self._worker = threading.Thread(target=lambda: self._ahead.append(self._make(size)), daemon=True)
+        self._worker.start()
+
+    def _bytes(self, count: int) -> torch.Tensor:
+        """The next ``count`` keystream bytes (a multiple of 16: whole AES blocks are consumed), from what was made
+        ahead first, as a uint8 tensor."""
+        self._join()
+        parts, needed = [], count
+        while needed and self._ahead:
+            first = self._ahead[0]
+            parts.append(first[:needed])
+            if first.numel() > needed:
+                self._ahead[0] = first[needed:]
+            else:
+                self._ahead.pop(0)
+            needed -= parts[-1].numel()
+        if needed:
+            parts.append(self._make(needed))
+        self._blocks += count // _BLOCK
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def normal(self, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """n values of N(0, 1): float64 (:func:`gaussian_from_words`, block by block), then ``dtype``."""
         def words(count: int) -> torch.Tensor:  # 8 keystream bytes per word, block by block
-            return torch.frombuffer(self._bytes(8 * count), dtype=torch.int64).to(self.device)
+            return self._bytes(8 * count).view(torch.int64).to(self.device, non_blocking=True)
         return _normal_blocks(n, self.device, words).to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
@@ -219,6 +256,8 @@ class SecureNormal:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_kind(state, self.kind)
+        self._join()
+        self._ahead.clear()
         self._key, self._nonce, self._blocks = bytes(state["key"]), bytes(state["nonce"]), int(state["blocks"])
         self._encryptor = self._at(self._blocks)
 

@@ -55,7 +55,7 @@ def test_the_transform_reaches_its_documented_extremes_from_the_extreme_words():
     assert abs(first[1].item()) < 1e-12 and second[1].item() == pytest.approx(radius_max, rel=1e-12)
     assert torch.equal(gaussian_from_words(torch.tensor([-1, 0], dtype=torch.int64)), torch.zeros(2, dtype=torch.float64))
     source = SecureNormal()
-    source._bytes = lambda count: memoryview(bytearray(count))  # an all-zero keystream: every radius word is 0
+    source._bytes = lambda count: torch.zeros(count, dtype=torch.uint8)  # an all-zero keystream: every radius word is 0
     assert source.normal(3, torch.float64)[0].item() == pytest.approx(radius_max, rel=1e-12)
 
 
@@ -89,6 +89,26 @@ def test_secure_normal_instances_differ_and_resume_exactly():
     assert all(torch.equal(x, restored.normal(9, torch.float32)) for x in expected)
     with pytest.raises(ValueError, match="kind"):
         TorchNormal(1).load_state_dict(saved)
+
+
+def test_secure_keystream_made_ahead_gives_the_same_draws_and_state():
+    """prefetch() makes the next draw's keystream in a background thread: the values, their order and the state are
+    those of a twin source that never prefetched, whatever the sizes asked next (a part of what was made, more than
+    it, a resume in between); a resume discards what was made ahead and makes it again from the counter."""
+    a, b = SecureNormal(), SecureNormal()
+    b.load_state_dict(a.state_dict())
+    for made, asked in ((1000, 1000), (1000, 300), (10, 2_001), (64, 7)):
+        a.prefetch(made)
+        assert torch.equal(a.normal(asked), b.normal(asked)) and a.state_dict() == b.state_dict()
+    a.prefetch(500)
+    saved = a.state_dict()  # what was made ahead is not consumed
+    assert saved == b.state_dict()
+    resumed = SecureNormal()
+    resumed.load_state_dict(saved)
+    a.load_state_dict(saved)  # discards the keystream made ahead; the next draws make it again
+    for n in (500, 3):
+        drawn = a.normal(n)
+        assert torch.equal(drawn, b.normal(n)) and torch.equal(drawn, resumed.normal(n))
 
 
 def test_secure_source_feeds_the_privatizer_and_takes_no_seed():
