@@ -14,14 +14,17 @@ optimizer and the accounting all happen in ``fed_dp.round``; nothing DP-critical
 Under ``torchrun`` (an initialized ``torch.distributed`` group of several processes) rank 0 runs the loop and
 every rank trains a share of each cohort (``fed_dp.simulations.engine.distributed``).
 
-Users train on ``device``; the server round stays on the CPU, and only θ_{t−1} (and s_t) go to the device and
-Σu (and Σu²) come back, one d-vector each per round. In-memory users are moved to the device once per run.
+Users train on ``device``, and the server's step runs there too (``init_server(device=...)``): the noise is drawn on
+the device (the torch source's own generator there; the secure source's keystream made ahead on the CPU and copied),
+the sums, the optimizer and its state and the diagnostics stay on it, so nothing of d crosses to the host in a round
+but what is published (a few numbers) and the checkpoints. In-memory users are moved to the device once per run.
+(Under torchrun the workers' shares are gathered on rank 0's device as before.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
-from fed_dp.contribution import Contribution, RoundPlan
+from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
 from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
@@ -62,11 +65,6 @@ class TrainResult:
     records: list[dict[str, Any]]
     stopped: str | None
     state: ServerState | None  # None on the ranks other than 0 of a distributed run (the noise state stays on 0)
-
-
-def _on_cpu(contribution: Contribution) -> Contribution:
-    squares = contribution.total_squares
-    return replace(contribution, total=contribution.total.cpu(), total_squares=None if squares is None else squares.cpu())
 
 
 def _progress(rounds: int, on_round: Callable[[dict[str, Any]], None] | None):
@@ -157,7 +155,8 @@ def train(
             return _worker_result(workers, model, layout, served)
         privacy = resolve_privacy(privacy, task.num_users)
         state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
-                            noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None))
+                            noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None),
+                            device=trainer.device)
         exchange = _exchange(trainer, workers, client_seed)
         evaluate = None
         if task.evaluate is not None:
@@ -200,7 +199,7 @@ def _exchange(trainer: LocalTrainer, workers: Workers | None, client_seed: int) 
                                                      source="simulation")
         # train_loss, mean_update_norm, fraction_clipped, and the path that ran: which users were sampled
         # decides it (one step or not), and an empty cohort never falls back from the vectorized path
-        return RoundReplies([_on_cpu(result)], nonprivate={**metrics, **path_metrics(path)})
+        return RoundReplies([result], nonprivate={**metrics, **path_metrics(path)})
 
     return exchange
 
@@ -208,9 +207,10 @@ def _exchange(trainer: LocalTrainer, workers: Workers | None, client_seed: int) 
 def _result(model: nn.Module, layout: Any, privacy: PrivacyConfig, state: Any, records: list[dict[str, Any]],
             stopped: str | None) -> TrainResult:
     """The run's TrainResult: ``model`` loaded with the state's θ, ε of the last record (0 before any)."""
-    load_params(model, layout, state.params)
+    params = state.params.detach().cpu()  # the released model, on the host whatever device the server stepped on
+    load_params(model, layout, params)
     final = records[-1] if records else {}
-    return TrainResult(model=model, params=state.params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
+    return TrainResult(model=model, params=params, epsilon=final.get("epsilon", 0.0), delta=privacy.delta,
                        privacy=privacy, records=records, stopped=stopped, state=state)
 
 

@@ -227,3 +227,12 @@ def test_one_phi_for_every_coordinate_shifts_the_quantiles_of_nu_hat():
         for key, value in direct.items():
             assert shortcut[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
         assert 0.3 < shortcut["fraction_nu_hat_below_phi"] < 0.4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n", [1234, 2_000_001])
+def test_the_summary_on_a_gpu_equals_the_cpus(n):
+    """On a GPU the order statistics come from a sort on the device: the same values as numpy's partition here."""
+    gen = torch.Generator().manual_seed(n)
+    nu = torch.rand(n, generator=gen) ** 3
+    assert second_moment_summary(nu.cuda(), 0.01) == second_moment_summary(nu, 0.01)

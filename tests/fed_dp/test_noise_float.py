@@ -34,13 +34,14 @@ MECHANISMS = {
 }
 
 
-def _twins(mechanism: str, source: str, dim: int, dtype: torch.dtype = torch.float64) -> tuple[Privatizer, Privatizer]:
+def _twins(mechanism: str, source: str, dim: int, dtype: torch.dtype = torch.float64,
+           device: str = "cpu") -> tuple[Privatizer, Privatizer]:
     """Two privatizers whose noise streams are the same draws (the secure one's key copied into the second)."""
     strategy = MECHANISMS[mechanism]()
     if source == "torch":
-        return tuple(Privatizer(strategy, noise_std=STD, dim=dim, seed=7, dtype=dtype) for _ in range(2))
-    a = Privatizer(strategy, noise_std=STD, dim=dim, source="secure", dtype=dtype)
-    b = Privatizer(strategy, noise_std=STD, dim=dim, source="secure", dtype=dtype)
+        return tuple(Privatizer(strategy, noise_std=STD, dim=dim, seed=7, dtype=dtype, device=device) for _ in range(2))
+    a = Privatizer(strategy, noise_std=STD, dim=dim, source="secure", dtype=dtype, device=device)
+    b = Privatizer(strategy, noise_std=STD, dim=dim, source="secure", dtype=dtype, device=device)
     b.load_state_dict(a.state_dict())
     return a, b
 
@@ -64,9 +65,13 @@ def _neighbours(dim: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return total, total + user
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("source", ["torch", "secure"])
 @pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
-def test_neighbouring_releases_differ_only_by_their_own_grid_points(mechanism, source):
+def test_neighbouring_releases_differ_only_by_their_own_grid_points(mechanism, source, device):
     """For the same draws, the releases under S and S′ are Λ·(round(S/Λ) + k) and Λ·(round(S′/Λ) + k) with the same
     integer k in every coordinate and round (BandMF's and BLT's later steps included), so the noise never depends on
     the sum; in float32 the release is the float64 grid value rounded once (compared where the float32 privatizer's
@@ -74,12 +79,12 @@ def test_neighbouring_releases_differ_only_by_their_own_grid_points(mechanism, s
     held in float32)."""
     dim = 4_000
     step = grid_step(STD)
-    a, b = _twins(mechanism, source, dim)
-    a32, b32 = _twins(mechanism, "torch", dim, torch.float32) if source == "torch" else (None, None)
+    a, b = _twins(mechanism, source, dim, device=device)
+    a32, b32 = _twins(mechanism, "torch", dim, torch.float32, device) if source == "torch" else (None, None)
     sample = torch.cat([torch.arange(8), torch.randperm(dim, generator=torch.Generator().manual_seed(1))[:200]])
     for t in range(6):
         total, neighbour = _neighbours(dim, t)
-        out, out_neighbour = a.privatize(total), b.privatize(neighbour)
+        out, out_neighbour = a.privatize(total).cpu(), b.privatize(neighbour).cpu()
         k = out / step - torch.round(total.double() / step)
         assert torch.equal(k, torch.round(k)) and torch.equal(k, out_neighbour / step - torch.round(neighbour.double() / step))
         exact = [round(Fraction(float(o)) / Fraction(step)) - s
@@ -88,7 +93,8 @@ def test_neighbouring_releases_differ_only_by_their_own_grid_points(mechanism, s
                            for o, s in zip(out_neighbour[sample], _exact_grid_points(neighbour[sample], step))]
         assert exact == exact_neighbour == [int(v) for v in k[sample]]
         if a32 is not None and (mechanism == "independent" or t == 0):
-            assert torch.equal(a32.privatize(total), out.float()) and torch.equal(b32.privatize(neighbour), out_neighbour.float())
+            assert torch.equal(a32.privatize(total).cpu(), out.float())
+            assert torch.equal(b32.privatize(neighbour).cpu(), out_neighbour.float())
 
 
 def _old_release(total: torch.Tensor, z: torch.Tensor, std: float) -> torch.Tensor:

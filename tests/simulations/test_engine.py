@@ -311,3 +311,18 @@ def test_a_non_scalar_loss_names_the_round_and_the_user():
                                               r"of user \d+; it must return a scalar") as stopped:
         train(per_example, _privacy(), "dp-sgd", LocalTraining(), seed=0, training="sequential")
     assert stopped.value.result.records == [] and stopped.value.state.round == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_servers_step_runs_on_the_users_device_and_the_result_comes_back_on_the_host():
+    """On a GPU the whole round stays there: the server's θ, optimizer state and noise stream are on the device
+    (DP-AdamBC's diagnostics included), ε is the CPU run's, and the returned model is on the host."""
+    config = PrivacyConfig(expected_cohort=8, rounds=3, noise_multiplier=1.0, clip_norm=0.5, delta=1e-5)
+    local = LocalTraining(batch_size=4, lr=0.1)
+    on_gpu = train(_task(), config, "dp-adambc", local, seed=3, device="cuda", eval_every=0)
+    on_cpu = train(_task(), config, "dp-adambc", local, seed=3, device="cpu", eval_every=0)
+    assert on_gpu.state.params.device.type == "cuda" and on_gpu.state.privatizer.device.type == "cuda"
+    assert all(v.device.type == "cuda" for v in on_gpu.state.opt_state if isinstance(v, torch.Tensor))
+    assert on_gpu.params.device.type == "cpu" and torch.isfinite(on_gpu.params).all()
+    assert [r["epsilon"] for r in on_gpu.records] == [r["epsilon"] for r in on_cpu.records]
+    assert "nu_hat_median" in on_gpu.records[-1]
