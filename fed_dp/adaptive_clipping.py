@@ -18,12 +18,16 @@ is noised with the larger multiplier
 Under replace-one adjacency (sampling without replacement) both sensitivities double, so the same split
 holds relative to that adjacency.
 Independent noise only: BandMF and BLT need the same noise scale every round, so they are rejected.
+
+σ_b left unset defaults to max(B/20, 2.5σ) (:func:`default_bit_noise_std`): Andrew et al.'s B/20 where it is large
+enough, and otherwise 2.5σ, with which the update's noise grows by 2% (σ_Δ = σ/sqrt(1 − (σ/2σ_b)²) = 1.02σ); B/20
+alone is refused whenever σ > B/10 (a target ε of 3 with 80 users gives σ = 2.65 > 8/10).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,14 +37,25 @@ from fed_dp.randomness import add_on_grid, grid_step, make_noise_source
 from fed_dp.validation import check_int
 
 
+#: σ_b's default is at least this many σ (:func:`default_bit_noise_std`).
+BIT_NOISE_PER_SIGMA = 2.5
+
+
+def default_bit_noise_std(noise_multiplier: float, expected_cohort: int) -> float:
+    """max(B/20, 2.5σ): Andrew et al.'s σ_b ≈ B/20 where it is large enough for the split, else 2.5σ, which leaves the
+    update's noise multiplier at σ_Δ = σ/sqrt(1 − 0.2²) ≈ 1.02σ."""
+    return max(expected_cohort / 20, BIT_NOISE_PER_SIGMA * noise_multiplier)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveClipConfig:
     """target_quantile γ ∈ (0, 1); learning_rate η_ζ > 0; bit_noise_std σ_b > 0 (noise std on the
-    centered bit sum; Andrew et al. suggest about B/20); initial_clip_norm ζ_0 > 0."""
+    centered bit sum), or None for :func:`default_bit_noise_std` once σ is known (:meth:`for_privacy`);
+    initial_clip_norm ζ_0 > 0."""
 
     target_quantile: float = 0.5
     learning_rate: float = 0.2
-    bit_noise_std: float
+    bit_noise_std: float | None = None
     initial_clip_norm: float
 
     def __post_init__(self) -> None:
@@ -48,24 +63,35 @@ class AdaptiveClipConfig:
             raise ValueError(f"target_quantile must be in (0, 1), got {self.target_quantile!r}")
         for name in ("learning_rate", "bit_noise_std", "initial_clip_norm"):
             value = getattr(self, name)
+            if name == "bit_noise_std" and value is None:
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def for_privacy(self, privacy: PrivacyConfig) -> "AdaptiveClipConfig":
+        """This config with σ_b decided: as given, or :func:`default_bit_noise_std` of the (resolved) σ and B."""
+        if self.bit_noise_std is not None:
+            return self
+        privacy.require_resolved("adaptive clipping's default bit_noise_std")
+        return replace(self, bit_noise_std=default_bit_noise_std(privacy.noise_multiplier, privacy.expected_cohort))
 
 
 def update_noise_multiplier(noise_multiplier: float, bit_noise_std: float) -> float:
     """σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2); requires 2σ_b > σ (else the bits alone would exceed the budget)."""
     if not 2 * bit_noise_std > noise_multiplier:
         raise ValueError(
-            f"bit_noise_std σ_b = {bit_noise_std} is too small for noise_multiplier σ = {noise_multiplier}: "
-            f"the clip-bit query alone (multiplier 2σ_b = {2 * bit_noise_std}) would cost more than the "
-            "whole budget. Use σ_b > σ/2 (Andrew et al. suggest σ_b ≈ B/20)"
+            f"adaptive.bit-noise-std (Python: bit_noise_std) σ_b = {bit_noise_std:g} is too small for the noise "
+            f"multiplier σ = {noise_multiplier:.4g}: the clip-bit query alone (multiplier 2σ_b = {2 * bit_noise_std:g}) "
+            f"would cost more than the whole budget. Set it to {BIT_NOISE_PER_SIGMA * noise_multiplier:.3g} (2.5σ: the "
+            "update's noise then grows by 2%) or more, or leave it unset for max(B/20, 2.5σ)"
         )
     return (noise_multiplier**-2 - (2 * bit_noise_std) ** -2) ** -0.5
 
 
 def check_compatible(privacy: PrivacyConfig, adaptive: AdaptiveClipConfig) -> float:
-    """Validate the pair and return σ_Δ. BandMF and BLT are refused (their noise scale must not change), and so is
-    the non-private baseline (noise_multiplier = 0: there is no noise to split with the clip bits)."""
+    """Validate the pair and return σ_Δ (with σ_b as given, or its default: :meth:`AdaptiveClipConfig.for_privacy`).
+    BandMF and BLT are refused (their noise scale must not change), and so is the non-private baseline
+    (noise_multiplier = 0: there is no noise to split with the clip bits)."""
     if privacy.noise_multiplier == 0:
         raise ValueError("adaptive clipping needs noise_multiplier > 0 (it splits the noise between the update and "
                          "the clip bits); the non-private baseline (noise_multiplier = 0) takes a fixed clip_norm")
@@ -74,7 +100,7 @@ def check_compatible(privacy: PrivacyConfig, adaptive: AdaptiveClipConfig) -> fl
             f"adaptive clipping changes the noise scale every round, which breaks BandMF's correlated "
             f"noise (and BLT's; noise is {privacy.noise!r}); use noise 'independent' or a fixed clip_norm"
         )
-    return update_noise_multiplier(privacy.noise_multiplier, adaptive.bit_noise_std)
+    return update_noise_multiplier(privacy.noise_multiplier, adaptive.for_privacy(privacy).bit_noise_std)
 
 
 def next_clip_norm(clip_norm: float, unclipped_fraction: float, config: AdaptiveClipConfig) -> float:
@@ -89,6 +115,8 @@ class AdaptiveClipper:
     def __init__(self, config: AdaptiveClipConfig, expected_cohort: int, seed: int | None = None,
                  source: str = "torch") -> None:
         expected_cohort = check_int("expected_cohort", expected_cohort, minimum=1)
+        if config.bit_noise_std is None:
+            raise ValueError("the clipper needs σ_b decided: build it from config.for_privacy(privacy)")
         self.config = config
         self.expected_cohort = expected_cohort
         self.clip_norm = float(config.initial_clip_norm)

@@ -147,6 +147,7 @@ def init_server(
     clipper = None
     if adaptive_clipping is not None:
         check_compatible(config, adaptive_clipping)
+        adaptive_clipping = adaptive_clipping.for_privacy(config)  # σ_b decided (its default needs σ)
         if optimizer.needs.squares:
             raise ValueError("adaptive clipping is not combined with independent moment estimation")
         clipper = AdaptiveClipper(adaptive_clipping, config.expected_cohort, source=noise_source,

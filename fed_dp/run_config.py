@@ -147,15 +147,16 @@ class AdaptiveSettings:
     target_quantile: float = setting(AdaptiveClipConfig.target_quantile, help="γ: the quantile of update norms to "
                                      "track")
     learning_rate: float = setting(AdaptiveClipConfig.learning_rate, help="η_ζ of the geometric clip update")
-    bit_noise_std: float | None = setting(None, help="σ_b on the clip-bit sum (unset: B/20)")
+    bit_noise_std: float | None = setting(None, help="σ_b on the clip-bit sum (unset: max(B/20, 2.5σ), the update's "
+                                          "noise then within 2% of σ)")
 
     def build(self, privacy: PrivacyConfig) -> AdaptiveClipConfig | None:
-        """None when not enabled; else ζ_0 = privacy.clip_norm and σ_b defaulting to B/20 (Andrew et al. 2021)."""
+        """None when not enabled; else ζ_0 = privacy.clip_norm and σ_b as set, or, unset, decided once σ is known
+        (``fed_dp.adaptive_clipping.default_bit_noise_std``: max(B/20, 2.5σ))."""
         if not self.enabled:
             return None
-        std = self.bit_noise_std if self.bit_noise_std is not None else privacy.expected_cohort / 20
         return AdaptiveClipConfig(target_quantile=self.target_quantile, learning_rate=self.learning_rate,
-                                  bit_noise_std=std, initial_clip_norm=privacy.clip_norm)
+                                  bit_noise_std=self.bit_noise_std, initial_clip_norm=privacy.clip_norm)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -222,3 +222,24 @@ def test_clipper_seed_from_entropy_unless_given():
     assert AdaptiveClipper(cfg, 10, source="secure").seed is None  # keyed from OS entropy
     a, b = AdaptiveClipper(cfg, 10, seed=5), AdaptiveClipper(cfg, 10, seed=5)
     assert a.noisy_unclipped_fraction(3, 10) == b.noisy_unclipped_fraction(3, 10)
+
+
+@pytest.mark.parametrize("target", [1.0, 3.0, 8.0])
+def test_the_docs_recipe_runs_at_any_epsilon_with_the_default_bit_noise(target):
+    """The tutorial's advice (adaptive clipping with σ_b unset) on 80 users, B = 8: B/20 = 0.4 alone is refused at
+    ε = 1 and 3 (σ > B/10 = 0.8); the default max(B/20, 2.5σ) is 2.5σ at all three, and the update's noise
+    multiplier is σ/sqrt(1 − 0.2²)."""
+    from fed_dp.accounting import resolve_privacy
+    from fed_dp.optimizers import make_optimizer
+    from fed_dp.round import init_server
+
+    privacy = resolve_privacy(PrivacyConfig(expected_cohort=8, rounds=20, target_epsilon=target, delta=1e-5), 80)
+    sigma = privacy.noise_multiplier
+    state = init_server(privacy, make_optimizer("dp-fedavg"), torch.zeros(5), seed=0,
+                        adaptive_clipping=AdaptiveClipConfig(initial_clip_norm=1.0))
+    assert state.clipper.config.bit_noise_std == pytest.approx(2.5 * sigma)
+    assert check_compatible(privacy, AdaptiveClipConfig(initial_clip_norm=1.0)) == pytest.approx(sigma / math.sqrt(0.96))
+    if sigma > 0.8:
+        with pytest.raises(ValueError, match=r"adaptive\.bit-noise-std .* Set it to [0-9.]+ \(2\.5σ"):
+            check_compatible(privacy, AdaptiveClipConfig(bit_noise_std=8 / 20, initial_clip_norm=1.0))
+    assert (sigma > 0.8) == (target < 8)
