@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fed_dp.clients.task import Examples, Loss
-from fed_dp.clipping import clip_scaled, clip_update
+from fed_dp.clipping import clip_scaled, clip_update, round_down_float32
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 from fed_dp.contribution import Contribution
@@ -363,8 +363,8 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound) -> tuple
         check_finite_loss(mean_loss, index, round_index)
         result = clip_update(delta, work.clip_norm) if scale is None else clip_scaled(delta, scale, work.clip_norm)
         total += result.update
-        if squares is not None:
-            squares += result.update.square()
+        if squares is not None:  # u ⊙ u rounded towards 0: each user's squares within ‖u‖² ≤ ζ² in float32 too
+            squares += round_down_float32(result.update.double().square())
         losses.append(mean_loss)
         norms.append(result.norm)
         clipped += result.clipped

@@ -61,7 +61,7 @@ from fed_dp.clients import training as sequential
 from fed_dp.clients.task import Examples
 from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
                                      minibatch_orders, node_metrics, require_examples, scalar_loss, user_generator)
-from fed_dp.clipping import clip_rows
+from fed_dp.clipping import clip_rows, round_down_float32
 from fed_dp.config import LocalTraining
 from fed_dp.flat import FLAT_DTYPE, ParamLayout
 from fed_dp.contribution import Contribution
@@ -272,8 +272,9 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *,
                 deltas.mul_(scale)  # s ⊙ Δ_i
             updates, norms = clip_rows(deltas, clip_norm)
             total += updates.sum(dim=0)
-            if squares is not None:
-                squares += updates.square().sum(dim=0)
+            if squares is not None:  # each u ⊙ u rounded towards 0 (within ‖u‖² ≤ ζ²), row block by row block
+                for block in updates.split(max(1, (1 << 20) // max(1, updates.shape[1]))):
+                    squares += round_down_float32(block.double().square()).sum(dim=0)
             norm_sum += norms.double().sum()
             clipped += (norms > clip_norm).sum()
 

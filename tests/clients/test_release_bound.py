@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fed_dp.clients import one_step, training as sequential, vectorized
-from fed_dp.clients.losses import classification, next_token
+from fed_dp.clients.losses import classification, next_token, regression
 from fed_dp.clients.task import Examples
 from fed_dp.clients.training import LocalRound
 from fed_dp.clipping import l2_norm
@@ -145,6 +145,82 @@ def test_a_cancelling_user_moves_a_nodes_sum_by_at_most_the_clip():
         with_user, _ = one_step.users_contribution([odd] + others, work)
         without, _ = one_step.users_contribution(others, work)
         assert float(l2_norm(with_user.total - without.total)) <= clip_norm * (1 + 1e-5)
+
+
+class SequenceFirst(nn.Module):
+    """A Linear run sequence-first ((L, B, k), the classic language-model layout): its rows are not grouped by user."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, 4) -> (B, 3)
+        return self.linear(x.transpose(0, 1)).sum(0)
+
+
+class BatchCentered(nn.Module):
+    """A batch statistic between two layers: every example's output depends on the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        return self.second(h - h.mean(0))
+
+
+@pytest.mark.parametrize("build, data", [
+    (SequenceFirst, lambda g, scale: torch.randn(1, 8, 4, generator=g) * scale),
+    (BatchCentered, lambda g, scale: torch.randn(1, 4, generator=g) * scale),
+])
+def test_a_model_whose_rows_mix_users_is_refused_and_each_user_moves_the_sum_by_the_clip(build, data):
+    """A layer that sees its input sequence-first, or an operation that mixes examples, passes the check of the sum
+    against autograd; the one-step path now also checks that each user's loss and norm are its own (reversed chunk,
+    half chunk) and refuses, so the auto choice trains those users with a model each. Before, one user moved the
+    node's sum by 4.5 ζ (sequence-first) and 4.8 ζ (batch statistic)."""
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    model = build()
+    others = [(i, Examples((data(g, 1.0), torch.randint(0, 3, (1,), generator=g)))) for i in range(1, 9)]
+    odd = (0, Examples((data(g, 100.0), torch.tensor([0]))))
+    work = _round(model, 0.1)
+    with pytest.raises(one_step.Unsupported, match="depends on the other users of its chunk"):
+        one_step.users_contribution([odd] + others, work)
+    with_user, _, path = vectorized.contribution([odd] + others, work)
+    without, _, _ = vectorized.contribution(others, work)
+    assert path != "one-step" and float(l2_norm(with_user.total - without.total)) <= 0.1 * (1 + 1e-5)
+
+
+def test_squares_and_products_at_the_edges_of_float32_stay_within_the_clip():
+    """Factors w whose square is a float32 subnormal (|w| in 2⁻⁷⁵…2⁻⁶³: inputs near 2⁷⁴ at ζ = η = 1) gave one-step
+    squares up to 2 ζ² (w² rounded in float32); rank-one products w·δ below float32's normal range (inputs near 2¹²⁷
+    at ζ = 2⁻¹⁶) released 1.02 ζ; an unclipped user just under ζ had sequential and vectorized squares above ζ² by
+    float32 rounding. Each user alone at a node, every path that trains it."""
+    g = torch.Generator().manual_seed(0)
+    for exponent in torch.linspace(73.4, 74.0, 40).tolist():  # subnormal w², one example and two, with bias
+        for examples, bias in ((1, False), (2, False), (2, True)):
+            model = nn.Linear(1, 1, bias=bias)
+            with torch.no_grad():
+                model.weight.fill_(1e-30)
+                if bias:
+                    model.bias.zero_()
+            user = (0, Examples((torch.full((examples, 1), 2.0**exponent), torch.ones(examples, 1))))
+            _check_within(_released("one-step", user, _round(model, 1.0, loss=regression, squares=True)), 1.0)
+    for clip_norm in (2.0**-10, 2.0**-16):  # rank-one products below float32's normal range
+        for _ in range(20):
+            model = nn.Linear(16, 1, bias=False)
+            with torch.no_grad():
+                model.weight.fill_(1e-40)
+            x = (1 + torch.rand(1, 16, generator=g)) * 2.0**126.9 * torch.where(torch.rand(1, 16, generator=g) < .5, -1, 1)
+            user = (0, Examples((x, torch.rand(1, 1, generator=g) * 3 + 0.5)))
+            _check_within(_released("one-step", user, _round(model, clip_norm, loss=regression)), clip_norm)
+    for path in sorted(PATHS):  # unclipped by a hair: squares are the float32 rounding of u², rounded down now
+        for _ in range(30):
+            model = nn.Linear(8, 3)
+            user = (0, Examples((torch.randn(2, 8, generator=g), torch.tensor([0, 2]))))
+            norm = float(l2_norm(_released(path, user, _round(model, 1e38)).total))
+            _check_within(_released(path, user, _round(model, norm * (1 + 1e-9), squares=True)), norm * (1 + 1e-9))
 
 
 def _random_case(g: torch.Generator):
