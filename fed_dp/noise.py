@@ -9,15 +9,15 @@ computed online, never as a T×T or T×d matrix:
 
 * **BandMF** (b-banded, column-normalized C; seed 000 §2.1, §4.5; Choquette-Choo et al. 2023): forward
   substitution over the last b−1 outputs, y_t = ( z_t − Σ_{r=1}^{b−1} C[t, t−r] · y_{t−r} ) / C[t, t]. One step is
-  one in-place ``addmv`` of the (b−1)-vector of coefficients with the preallocated (b−1)×d ring buffer into z_t
-  (a matrix-vector product, no loop over bands or parameters) and one copy into the ring: memory (b−1)·d for
-  the ring plus the d-vector z_t = y_t that is returned, b·d floats in all. The step reads the whole ring
-  once, so its time is bounded below by the memory bandwidth (``fed-dp benchmark --only noise`` prints that
-  floor).
+  one matrix-vector product of the preallocated (b−1)×d ring buffer with the (b−1)-vector of coefficients, subtracted
+  from z_t (no loop over bands or parameters), and one copy into the ring: memory (b−1)·d for the ring plus the
+  d-vector z_t = y_t that is returned, b·d float64 numbers in all (float64, so that the noise released is C⁻¹Z to
+  float64 rounding: docs/explanation/floating-point.md). The step reads the whole ring once, so its time is bounded
+  below by the memory bandwidth (``fed-dp benchmark --only noise`` prints that floor).
 * **BLT** (``fed_dp.blt``): C = C̃/n_0 with C̃ Toeplitz, c_0 = 1, c_t = Σ_j θ_j ω_j^{t−1}; y = n_0·C̃⁻¹z from ℓ
-  buffers S_j: ỹ_t = z_t − Σ_j θ_j S_j(t), then S_j(t+1) = ω_j S_j(t) + ỹ_t. One step is one in-place ``addmv``
-  (ℓ coefficients × the ℓ×d buffers) and one in-place ``addcmul`` updating all buffers: memory ℓ·d plus the
-  returned d-vector, (ℓ + 1)·d floats.
+  buffers S_j: ỹ_t = z_t − Σ_j θ_j S_j(t), then S_j(t+1) = ω_j S_j(t) + ỹ_t. One step is one matrix-vector product
+  (the ℓ×d buffers × ℓ coefficients) and one in-place ``addcmul`` updating all buffers: memory ℓ·d plus the
+  returned d-vector, (ℓ + 1)·d float64 numbers.
 
 The per-coordinate noise variance of round t on the sum is (σζ)²·‖row t of C⁻¹‖², which DP-AdamBC needs
 (docs/explanation/server-optimizers.md). Multiple participations are accounted in the dp_accounting event (σ/√k for BandMF,
@@ -56,42 +56,43 @@ def strategy_fingerprint(strategy: Strategy | None) -> str:
 
 
 class _BandedStream:
-    """BandMF's forward substitution over a (b−1)×d ring buffer: slot s holds y_{t'} for t' ≡ s mod (b − 1)."""
+    """BandMF's forward substitution over a (b−1)×d ring buffer: slot s holds y_{t'} for t' ≡ s mod (b − 1). The ring and
+    the coefficients are float64: with float32 ones the noise released differed from C⁻¹Z by roundings that grow like
+    √d (3.5·10⁻⁵ of z per step at d = 10⁶), which neighbouring datasets do not share."""
 
-    def __init__(self, strategy: BandedStrategy, dim: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, strategy: BandedStrategy, dim: int, device: torch.device) -> None:
         self.band = strategy.band.to(device, torch.float64)  # step t reads row t: C[t, t − r] = band[t, r]
         self._diagonal = strategy.band[:, 0].double().tolist()  # C[t, t] as Python floats (no device sync per step)
         self.lags = strategy.bands - 1
-        self.buffer = torch.zeros(self.lags, dim, device=device, dtype=dtype)
+        self.buffer = torch.zeros(self.lags, dim, device=device, dtype=torch.float64)
         self._lag_steps = torch.arange(1, strategy.bands, device=device)
-        self._weights = torch.zeros(self.lags, device=device, dtype=dtype)
+        self._weights = torch.zeros(self.lags, device=device, dtype=torch.float64)
         self.output_scale = 1.0
 
     def step(self, t: int, z: torch.Tensor) -> torch.Tensor:
-        """z ← y_t = (z_t − Σ_r C[t, t−r]·y_{t−r}) / C[t, t], in place (z float64, the ring in its own dtype); y_t
-        enters the ring."""
+        """z ← y_t = (z_t − Σ_r C[t, t−r]·y_{t−r}) / C[t, t], in place, in float64; y_t enters the ring."""
         if self.lags == 0:
             return z.div_(self._diagonal[t])
         # band[t, r] is 0 where t − r < 0, so the zero-initialized ring needs no masking.
-        self._weights[(t - self._lag_steps) % self.lags] = self.band[t, 1:].to(self._weights.dtype)
+        self._weights[(t - self._lag_steps) % self.lags] = self.band[t, 1:]
         z.sub_(torch.mv(self.buffer.t(), self._weights)).mul_(1.0 / self._diagonal[t])
         self.buffer[t % self.lags].copy_(z)
         return z
 
 
 class _BLTStream:
-    """A BLT's ℓ buffers S_j (ℓ×d): ỹ_t = z_t − Σ_j θ_j S_j, then S_j ← ω_j S_j + ỹ_t (module docstring)."""
+    """A BLT's ℓ buffers S_j (ℓ×d, float64 as BandMF's ring): ỹ_t = z_t − Σ_j θ_j S_j, then S_j ← ω_j S_j + ỹ_t."""
 
-    def __init__(self, strategy: BLTStrategy, dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.theta = torch.tensor(strategy.theta, device=device, dtype=dtype)
-        self.omega = torch.tensor(strategy.omega, device=device, dtype=dtype)[:, None]
-        self.buffer = torch.zeros(strategy.buffers, dim, device=device, dtype=dtype)
+    def __init__(self, strategy: BLTStrategy, dim: int, device: torch.device) -> None:
+        self.theta = torch.tensor(strategy.theta, device=device, dtype=torch.float64)
+        self.omega = torch.tensor(strategy.omega, device=device, dtype=torch.float64)[:, None]
+        self.buffer = torch.zeros(strategy.buffers, dim, device=device, dtype=torch.float64)
         self.output_scale = strategy.scale  # C⁻¹ = n_0·C̃⁻¹
 
     def step(self, t: int, z: torch.Tensor) -> torch.Tensor:
-        """z ← ỹ_t = z_t − Σ_j θ_j S_j in place (z float64, the buffers in their own dtype); then S_j ← ω_j S_j + ỹ_t."""
+        """z ← ỹ_t = z_t − Σ_j θ_j S_j in place, then S_j ← ω_j S_j + ỹ_t, all in float64."""
         z.sub_(torch.mv(self.buffer.t(), self.theta))
-        torch.addcmul(z.to(self.buffer.dtype).expand_as(self.buffer), self.omega, self.buffer, out=self.buffer)
+        torch.addcmul(z.expand_as(self.buffer), self.omega, self.buffer, out=self.buffer)
         return z
 
 
@@ -104,7 +105,8 @@ class Privatizer:
         dim: d, the length of the flat update vector.
         seed: generator seed of the ``"torch"`` source; ``None`` draws one from OS entropy
             (``seeded_explicitly`` tells which).
-        device, dtype: where and in which precision the noise and the buffers live.
+        device, dtype: where the noise and the buffers live, and the dtype of the released sums (the noise and the
+            buffers are float64).
         source: where Z comes from (``fed_dp.randomness``): ``"torch"`` (a seeded ``torch.Generator``) or
             ``"secure"`` (AES-256-CTR keyed from OS entropy; takes no seed).
 
@@ -143,9 +145,9 @@ class Privatizer:
         if strategy is None:
             self._stream = None
         elif isinstance(strategy, BLTStrategy):
-            self._stream = _BLTStream(strategy, dim, self.device, dtype)
+            self._stream = _BLTStream(strategy, dim, self.device)
         else:
-            self._stream = _BandedStream(strategy, dim, self.device, dtype)
+            self._stream = _BandedStream(strategy, dim, self.device)
 
     @property
     def seed(self) -> int | None:
@@ -269,8 +271,8 @@ class Privatizer:
             raise ValueError(f"privatizer buffer has shape {tuple(buffer.shape)}, expected {expected}")
         self.seeded_explicitly = bool(state["seeded_explicitly"])
         self.index = int(state["index"])
-        if self._stream is not None:
-            self._stream.buffer.copy_(buffer.to(self.device, self.dtype))
+        if self._stream is not None:  # a float32 buffer of an earlier fed-dp loads as float64
+            self._stream.buffer.copy_(buffer.to(self.device, torch.float64))
         self._source.load_state_dict(state["source"])
 
 

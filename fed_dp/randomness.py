@@ -12,7 +12,7 @@ Both live only on the server, in the secret part of its checkpoints, never in a 
   its seed: research runs and tests). :class:`SecureNormal` takes them from AES-256 in counter mode keyed with 32
   bytes of ``os.urandom`` (the ``cryptography`` package, which Flower installs): a cryptographically secure stream
   that cannot be predicted from earlier outputs. Both turn the bits into N(0, 1) values in float64 with one
-  transform, :func:`gaussian_from_words` (Box–Muller on a 63-bit radius uniform and a 53-bit angle), so what is
+  transform, :func:`gaussian_from_words` (Box–Muller on a 126-bit radius uniform and a 53-bit angle), so what is
   said of the noise holds for both, on every device.
 * Noise on a grid (:func:`add_on_grid`). A float32 Gaussian sample scaled by s, fl32(z·s), skips float32 values
   (Mironov 2012; Jin, McMurtry, Rubinstein & Ohrimenko 2022): an output in such a gap is impossible when the sum
@@ -36,10 +36,11 @@ from typing import Any
 import torch
 
 _BLOCK = 16  # bytes of one AES block
-#: Random 64-bit words per pair of normal values: one for the radius, one for the angle.
-WORDS_PER_PAIR = 2
-#: The largest |value| the transform can give: sqrt(−2 ln 2⁻⁶³) ≈ 9.35 (the radius of the smallest uniform).
-RADIUS_MAX = math.sqrt(2 * 63 * math.log(2))
+#: Random 64-bit words per pair of normal values: two for the radius (a 126-bit uniform), one for the angle.
+WORDS_PER_PAIR = 3
+#: The largest |value| the transform can give: sqrt(−2 ln 2⁻¹²⁶) ≈ 13.2 (the radius of the smallest uniform).
+RADIUS_MAX = math.sqrt(2 * 126 * math.log(2))
+_LOW_63 = 2**63 - 1
 #: Λ = 2^(⌊log₂ s⌋ − GRID_BITS) for noise of std s: :func:`grid_step`.
 GRID_BITS = 36
 
@@ -57,9 +58,11 @@ def derive_seed(seed: int, purpose: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-#: Values computed per block (a block's float64 temporaries stay in the CPU's cache; a GPU takes large blocks). The
-#: block size decides which words make which pair, so a seeded stream is reproducible on one kind of device.
-_VALUES_PER_BLOCK = {"cpu": 1 << 16, "cuda": 1 << 24}
+#: Values computed per block: on the CPU 2²⁰ (8 MiB of float64 per temporary: few enough parallel regions per draw
+#: that a loaded machine's thread contention does not dominate — 2¹⁶-value blocks took 1.0 s for 10⁷ values on 2
+#: busy threads, 2²⁰ 0.12 s — and a draw's temporaries stay bounded); a GPU takes large blocks. The block size decides
+#: which words make which pair, so a seeded stream is reproducible on one kind of device.
+_VALUES_PER_BLOCK = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
 def block_size(device: torch.device) -> int:
@@ -68,25 +71,34 @@ def block_size(device: torch.device) -> int:
 
 
 def gaussian_from_words(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """N(0, 1) values in float64 from uniform random 64-bit words (an int64 tensor of even length 2h), written into
-    ``out`` (float64, length 2h, same device; a new tensor if None) and returned.
+    """N(0, 1) values in float64 from uniform random 64-bit words (an int64 tensor of length 3h), written into ``out``
+    (float64, length 2h, same device; a new tensor if None) and returned.
 
-    Box–Muller: the first h words give u = (⌊w / 2⌋ mod 2⁶³ + 1)·2⁻⁶³ ∈ (0, 1] (a 63-bit uniform; its conversion to
-    float64 is exact below 2⁵³, so the small u of the tails keep their precision) and the radius r = sqrt(−2 ln u) ≤
-    :data:`RADIUS_MAX` ≈ 9.35; the last h words give the angle θ = (w >> 11)·2π·2⁻⁵³ ∈ [−π, π) (53 bits); the
-    values are (r cos θ, r sin θ), all first components then all second ones. Every operation is float64, so the
-    values have float64 resolution (a value of magnitude ≤ 9.35 is off the exact transform of its words by a few
-    2⁻⁵² at most), far finer than the grid of :func:`add_on_grid` (2⁻³⁶ of the std).
+    Box–Muller, with the radius of both values of a pair from a 126-bit uniform: the first 2h words give
+    U = a·2⁶³ + b ∈ [0, 2¹²⁶) (a, b: the top 63 bits of a word), u = (U + 1)·2⁻¹²⁶ ∈ (0, 1] and r = sqrt(−2 ln u) ≤
+    :data:`RADIUS_MAX` ≈ 13.2, with ln u = log(u) for u ≤ ½ and log1p(−v) for u > ½, v = 1 − u formed exactly from the
+    words' complements; so r keeps float64 resolution at both ends (near 0, r = sqrt(2v) ≥ 2⁻⁶²·⁵; in the tail, the
+    step between reachable radii stays under the grid's 2⁻³⁶ up to r ≈ 11.3 and under a float32 cell of the output up
+    to r ≈ 12.3; a pair falls beyond 11.3 with probability e^(−r²/2) < 10⁻²⁷). The last h words give the angle θ = (w >> 11)·2π·2⁻⁵³ ∈ [−π, π) (53 bits);
+    the values are (r cos θ, r sin θ), all first components then all second ones. A pair shares its radius, so the
+    radius must be that fine for the pair's outputs to be reachable under any shift of both (a 63-bit radius left
+    holes beyond 8σ and near 0). Every operation is float64: a value is off the exact transform of its words by a few
+    2⁻⁵² of its magnitude at most, far finer than the grid of :func:`add_on_grid` (2⁻³⁶ of the std).
     """
     if words.dtype != torch.int64 or words.ndim != 1 or words.numel() % WORDS_PER_PAIR:
-        raise ValueError("words must be a flat int64 tensor of even length (two 64-bit words per pair of values)")
-    half = words.numel() // 2
+        raise ValueError("words must be a flat int64 tensor of a length divisible by 3 (three 64-bit words per pair)")
+    half = words.numel() // WORDS_PER_PAIR
     if out is None:
         out = torch.empty(2 * half, dtype=torch.float64, device=words.device)
+    high = words[:half].bitwise_right_shift(1).bitwise_and_(_LOW_63)  # a ∈ [0, 2⁶³)
+    low = words[half : 2 * half].bitwise_right_shift(1).bitwise_and_(_LOW_63)  # b ∈ [0, 2⁶³)
+    upper = high >= 2**62  # u > ½ (up to the lowest of 2¹²⁶ values): the log of 1 − v
     angle, radius = out[:half], out[half:]  # become r cos θ and r sin θ in place
-    radius.copy_(words[:half].bitwise_right_shift(1).bitwise_and_(2**63 - 1))  # [0, 2⁶³), int64 → float64
-    radius.add_(1.0).mul_(2.0**-63).log_().mul_(-2.0).sqrt_()
-    angle.copy_(words[half:].bitwise_right_shift(11)).mul_(2 * math.pi * 2.0**-53)
+    small = high.double().mul_(2.0**-63).add_(low.double().add_(1.0).mul_(2.0**-126))  # u (where u ≤ ½)
+    v = (_LOW_63 - high).double().mul_(2.0**-63).add_((_LOW_63 - low).double().mul_(2.0**-126))  # 1 − u exactly
+    radius.copy_(torch.where(upper, torch.log1p(v.neg_()), torch.log(small)))
+    radius.mul_(-2.0).sqrt_()
+    angle.copy_(words[2 * half :].bitwise_right_shift(11)).mul_(2 * math.pi * 2.0**-53)
     sine = torch.sin(angle)
     angle.cos_().mul_(radius)
     radius.mul_(sine)
@@ -129,12 +141,12 @@ def add_on_grid(value: torch.Tensor, noise: torch.Tensor, step: float, dtype: to
 
 def _normal_blocks(n: int, device: torch.device, words_of) -> torch.Tensor:
     """n values of N(0, 1) in float64 on ``device``, block by block: ``words_of(count)`` gives each block's int64
-    words (an even count; the last block takes the words of whole pairs only)."""
+    words (3 per pair of values; the last block takes the words of whole pairs only)."""
     out = torch.empty(n + n % 2, dtype=torch.float64, device=device)
     size = block_size(device)
     for start in range(0, out.numel(), size):
         block = out[start : start + size]
-        gaussian_from_words(words_of(block.numel()), out=block)
+        gaussian_from_words(words_of(block.numel() // 2 * WORDS_PER_PAIR), out=block)
     return out[:n]
 
 
@@ -171,8 +183,8 @@ class TorchNormal:
 class SecureNormal:
     """N(0, 1) draws from AES-256-CTR keyed from ``os.urandom`` (see the module docstring).
 
-    Each draw of n values reads 16·⌈n/2⌉ keystream bytes (whole AES blocks): two 64-bit words per pair, turned into
-    float64 values by :func:`gaussian_from_words` on ``device`` (the words are copied there, 8 bytes per value).
+    Each draw of n values reads 24·⌈n/2⌉ keystream bytes (whole AES blocks): three 64-bit words per pair, turned into
+    float64 values by :func:`gaussian_from_words` on ``device`` (the words are copied there, 12 bytes per value).
     :meth:`prefetch` produces the keystream of the next draw in a background thread (into page-locked memory when
     the device is a GPU, so the copy overlaps too), while the caller does other work (the users' training): the
     bytes are the same, only made earlier. State: the key, the initial counter and the number of blocks consumed, so
@@ -221,7 +233,7 @@ class SecureNormal:
         """Start making the keystream of a draw of ``n`` values in a background thread; the next :meth:`normal` takes
         it (joining the thread). The stream, its state and the values drawn are the same with or without it."""
         self._join()
-        size = 8 * WORDS_PER_PAIR * ((n + 1) // 2)
+        size = -(-8 * WORDS_PER_PAIR * ((n + 1) // 2) // _BLOCK) * _BLOCK  # whole AES blocks
         if len(self._zeros) < size:
             self._zeros = bytes(size)
         self._worker = threading.Thread(target=lambda: self._ahead.append(self._make(size)), daemon=True)
@@ -247,8 +259,9 @@ class SecureNormal:
 
     def normal(self, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """n values of N(0, 1): float64 (:func:`gaussian_from_words`, block by block), then ``dtype``."""
-        def words(count: int) -> torch.Tensor:  # 8 keystream bytes per word, block by block
-            return self._bytes(8 * count).view(torch.int64).to(self.device, non_blocking=True)
+        def words(count: int) -> torch.Tensor:  # 8 keystream bytes per word, block by block (whole AES blocks)
+            return self._bytes(8 * count + (8 * count) % _BLOCK)[: 8 * count].view(torch.int64).to(
+                self.device, non_blocking=True)
         return _normal_blocks(n, self.device, words).to(dtype)
 
     def state_dict(self) -> dict[str, Any]:

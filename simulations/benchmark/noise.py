@@ -111,7 +111,7 @@ def format_noise(r: dict[str, Any]) -> str:
              "" if row["resident_growth_bytes"] is None else f"{row['resident_growth_bytes'] / 2**30:.2f} GiB",
              f"{row['error_min_sep']:.1f} ({row['error_min_sep_vs_bandmf']:.3f})",
              f"{row['error_one']:.2f} ({row['error_one_vs_bandmf']:.3f})"] for row in r["mechanisms"]]
-    header = ["noise", "step ms", "vs draw", "state (float32)", "RSS growth", f"error, min-sep {b} (vs BandMF)",
+    header = ["noise", "step ms", "vs draw", "state (float64)", "RSS growth", f"error, min-sep {b} (vs BandMF)",
               "error, 1 participation (vs BandMF)"]
     lines = [f"d = {d:.0e}, median of {r['steps']} interleaved steps; one N(0, I_d) draw: {1e3 * r['gaussian_seconds']:.1f} ms; "
              f"reading the (b − 1)×d ring once (BandMF's memory-bandwidth floor): {1e3 * r['buffer_read_seconds']:.1f} ms "

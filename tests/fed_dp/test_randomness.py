@@ -42,21 +42,59 @@ def test_draws_of_any_count_have_that_count():
         assert [tuple(source.normal(n, torch.float32).shape) for n in (1, 7, 2, 0)] == [(1,), (7,), (2,), (0,)]
 
 
+def _words(pairs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The int64 words of pairs given as (a, b, angle word): the radius uniform is U = a·2⁶³ + b, a and b the top 63 bits
+    of their words (a word w = 2·a here), and the angle θ = (word >> 11)·2π·2⁻⁵³."""
+    columns = list(zip(*pairs))
+    return torch.tensor([2 * v - 2**64 if 2 * v >= 2**63 else 2 * v for v in columns[0]]
+                        + [2 * v - 2**64 if 2 * v >= 2**63 else 2 * v for v in columns[1]] + list(columns[2]),
+                        dtype=torch.int64)
+
+
+def _radius(u_index: int) -> float:
+    """The radius sqrt(−2 ln u) of u = (U + 1)·2⁻¹²⁶, from Python's integers: ln u = ln(U + 1) − 126 ln 2 for u ≤ ½,
+    log1p(−v) with v = (2¹²⁶ − U − 1)/2¹²⁶ (a correctly rounded integer quotient) above."""
+    numerator, denominator = u_index + 1, 2**126
+    if 2 * numerator <= denominator:
+        return math.sqrt(-2 * (math.log(numerator) - 126 * math.log(2)))
+    return math.sqrt(-2 * math.log1p(-((denominator - numerator) / denominator)))
+
+
 def test_the_transform_reaches_its_documented_extremes_from_the_extreme_words():
-    """Box–Muller on 63-bit radius uniforms: the all-zero radius word gives u = 2⁻⁶³, r = sqrt(2·63·ln 2) ≈ 9.35
-    (a float32 uniform would stop at 5.77, the 53-bit one of before at 8.57); the angle word 0 is θ = 0 (the value is
-    +r, then 0), and the angle word 2⁶² is θ = π/2 (0, then +r). The all-ones radius word is u = 1 − 2⁻⁶³ + 2⁻⁶³ = 1
-    after rounding: r = 0. A 10⁷-draw test could not see these tails (the largest of 10⁷ normals is ≈ 5.3)."""
-    radius_max = math.sqrt(2 * 63 * math.log(2))
+    """Box–Muller on 126-bit radius uniforms: U = 0 gives u = 2⁻¹²⁶, r = sqrt(2·126·ln 2) ≈ 13.2 (a float32 uniform
+    stopped at 5.8σ, a 53-bit one at 8.6σ); the angle word 0 is θ = 0 (the pair is (+r, 0)), the angle word 2⁶² is
+    θ = π/2 ((0, +r)); U = 2¹²⁶ − 1 is u = 1, r = 0. A 10⁷-draw test could not see these tails."""
+    radius_max = math.sqrt(2 * 126 * math.log(2))
     assert RADIUS_MAX == pytest.approx(radius_max, rel=1e-15)
-    words = torch.tensor([0, 0, 0, 2**62], dtype=torch.int64)  # radii of pairs 1, 2; angles of pairs 1, 2
-    first, second = gaussian_from_words(words).view(2, 2)  # (r cos θ of each pair), (r sin θ of each pair)
+    values = gaussian_from_words(_words([(0, 0, 0), (0, 0, 2**62)]))  # two pairs: (r cos θ) of both, then (r sin θ)
+    first, second = values.view(2, 2)
     assert first[0].item() == pytest.approx(radius_max, rel=1e-12) and abs(second[0].item()) < 1e-12
     assert abs(first[1].item()) < 1e-12 and second[1].item() == pytest.approx(radius_max, rel=1e-12)
-    assert torch.equal(gaussian_from_words(torch.tensor([-1, 0], dtype=torch.int64)), torch.zeros(2, dtype=torch.float64))
+    top = 2**63 - 1
+    assert torch.equal(gaussian_from_words(_words([(top, top, 0)])), torch.zeros(2, dtype=torch.float64))
     source = SecureNormal()
-    source._bytes = lambda count: torch.zeros(count, dtype=torch.uint8)  # an all-zero keystream: every radius word is 0
+    source._bytes = lambda count: torch.zeros(count, dtype=torch.uint8)  # an all-zero keystream: every U is 0
     assert source.normal(3, torch.float64)[0].item() == pytest.approx(radius_max, rel=1e-12)
+
+
+@pytest.mark.parametrize("u_index", [0, 1, 2**20, 2**70, 2**125 - 1, 2**125, 2**126 - 2**70, 2**126 - 2**20,
+                                     2**126 - 3, 2**126 - 2])
+def test_neighbouring_radius_words_give_radii_finer_than_the_grid(u_index):
+    """Both values of a pair share one radius, so the radii themselves must be fine for the pair's outputs to be
+    reachable under any shift of both coordinates: each radius is the one of its U (relative 10⁻¹², from Python's
+    integers here), and the step to the next U's radius is below 2⁻³⁶ (the grid, in units of the std) up to r = 11.3
+    (a pair beyond: probability e^(−r²/2) < 10⁻²⁷), below a float32 cell of the output (2⁻²⁴·r) up to 12.3, and tiny near
+    r = 0 (u near 1, where ln u = log1p(−v) keeps v's bits: a 63-bit uniform left radii √k·2⁻²⁶ there)."""
+    pair = _words([(u_index >> 63, u_index & (2**63 - 1), 0), ((u_index + 1) >> 63, (u_index + 1) & (2**63 - 1), 0)])
+    here, following = gaussian_from_words(pair)[:2].tolist()  # angle 0: the values are the radii
+    assert here == pytest.approx(_radius(u_index), rel=1e-12, abs=1e-300)
+    assert following == pytest.approx(_radius(u_index + 1), rel=1e-12, abs=1e-300)
+    if here < 11.3:
+        assert here - following < 2.0**-36
+    elif here < 12.3:
+        assert here - following < 2.0**-24 * here
+    if u_index >= 2**126 - 3:
+        assert following < 2.0**-60
 
 
 @pytest.mark.parametrize("make", [lambda: TorchNormal(3), SecureNormal], ids=["torch", "secure"])
@@ -72,9 +110,9 @@ def test_both_sources_are_standard_normal_in_float64_with_float64_resolution(mak
     assert float((draws.float().double() != draws).double().mean()) > 0.999
 
 
-def test_a_seeded_source_is_reproducible_whatever_the_draw_sizes_between():
+def test_a_seeded_source_is_reproducible_and_another_seed_is_another_stream():
     a, b = TorchNormal(5), TorchNormal(5)
-    assert torch.equal(a.normal(70_001), b.normal(70_001))
+    assert torch.equal(a.normal(70_001), b.normal(70_001))  # more than one block of values
     assert torch.equal(a.normal(3), b.normal(3)) and not torch.equal(TorchNormal(6).normal(3), TorchNormal(5).normal(3))
 
 

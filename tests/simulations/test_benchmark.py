@@ -114,8 +114,8 @@ def test_smoke_run_measures_every_other_section(tmp_path):
     rows = {row["name"]: row for row in noise["mechanisms"]}
     b, d, T, k = noise["bands"], noise["dim"], noise["horizon"], noise["participations"]
     assert list(rows) == ["independent", f"BandMF b = {b}", "BLT 2 buffers", "BLT 3 buffers"]
-    assert rows[f"BandMF b = {b}"]["buffer_bytes"] == (b - 1) * d * 4 and rows["independent"]["buffer_bytes"] == 0
-    assert rows["BLT 3 buffers"]["buffer_bytes"] == 3 * d * 4
+    assert rows[f"BandMF b = {b}"]["buffer_bytes"] == (b - 1) * d * 8 and rows["independent"]["buffer_bytes"] == 0  # float64
+    assert rows["BLT 3 buffers"]["buffer_bytes"] == 3 * d * 8
     independent = rows["independent"]
     assert independent["error_min_sep"] == pytest.approx(k * (T + 1) / 2) and k == -(-T // b)  # C = I: k·‖A‖²/T
     assert independent["error_one"] == pytest.approx((T + 1) / 2)
