@@ -4,6 +4,7 @@
     fed-dp compare  [CONFIG] --optimizers a,b,c [--set ...] [--out DIR]
     fed-dp plot     DIR [DIR ...] [--out DIR]
     fed-dp audit    [CONFIG] [--task MODULE:FUNCTION] [--set ...] [--canaries 1000] [--json] [--out DIR] [--with-training]
+                    [--canary-kind trained|injected]
     fed-dp new      FOLDER    (a Flower app using UserLevelDP, ready for `flwr run FOLDER`)
     fed-dp benchmark [--runs 3] [--only w1,scaling,noise,accounting,gpu,small-users] [--no-flower] [--out DIR] [--smoke]
 
@@ -147,7 +148,8 @@ def _run_audit(args: argparse.Namespace) -> None:
     config = _setting_up("reading the config", lambda: _simulation_config(args))
     try:
         result = audit_config(config, canaries=args.canaries, confidence=args.confidence, optimizer=args.optimizer,
-                              mechanism_only=not args.with_training, noise_scale=args.noise_scale)
+                              mechanism_only=not args.with_training, noise_scale=args.noise_scale,
+                              canary_kind=args.canary_kind)
     except FileNotFoundError as error:  # a task's data missing: say where to put it, as `fed-dp simulate` does
         raise ValueError(f"building the task: {type(error).__name__}: {error}") from error
     rows = [row for row in result.rows() if args.threat_model in ("both", row["threat_model"])]
@@ -224,24 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     audit = commands.add_parser(
         "audit", help="empirical privacy of a config: one run with canary users, a test of the mechanism against "
         "its accounting, an epsilon estimate and a lower bound",
-        description="Run the config's mechanism once with canary users (orthonormal random updates, each inserted "
-        "with probability 1/2; the real users send zero updates unless --with-training) and report, for the "
-        "final-model and all-iterates threat models, the accounted epsilon, an epsilon estimate (Gaussian fit), a "
-        "lower bound at --confidence (Steinke, Nasr & Jagielski 2023) with its cap and verdict, and a one-sided "
-        "test of the canaries' separation on the noisy sums against its law under the accounted noise "
-        "(p-value, verdict).",
+        description="Run the config's mechanism once with canary users (orthonormal random directions, each "
+        "inserted with probability 1/2; by default users trained and clipped by the run's own client code, their "
+        "updates far above the clip norm; the real users send zero updates unless --with-training) and report, for "
+        "the final-model and all-iterates threat models, the accounted epsilon, an epsilon estimate (Gaussian "
+        "fit), a lower bound (Steinke, Nasr & Jagielski 2023) with its cap and verdict; a one-sided test of the "
+        "canaries' separation on the noisy sums against its law under the accounted noise (p-value, power, "
+        "verdict) and a test of the largest canary coefficient in any one round (a canary released unclipped); all "
+        "verdicts corrected together (Bonferroni) to hold at --confidence.",
     )
     _add_run_arguments(audit)
     audit.add_argument("--canaries", type=int, default=1000, metavar="M",
-                       help="canary candidates (default 1000; the model needs at least 2M parameters)")
+                       help="canary candidates (default 1000; injected canaries need a model of at least 2M "
+                       "parameters)")
     audit.add_argument("--optimizer", metavar="NAME", help="the optimizer to audit (default: the config's first)")
     audit.add_argument("--confidence", type=float, default=0.95,
-                       help="confidence of the lower bound and of the mechanism test (default 0.95)")
+                       help="confidence of all verdicts together: lower bounds and tests, Bonferroni-corrected "
+                       "(default 0.95)")
     audit.add_argument("--threat-model", choices=("final-model", "all-iterates", "both"), default="both")
     audit.add_argument("--with-training", action="store_true",
-                       help="the real users train too (lower bound and estimate only: the users' updates enter the "
-                       "noisy sums with a law the test cannot know; on the main job the training's drift hides the "
-                       "canaries)")
+                       help="the real users train too (their updates are 0 on trained canaries' coordinates, so the "
+                       "tests still run; with injected canaries lower bound and estimate only)")
+    audit.add_argument("--canary-kind", choices=("trained", "injected"), default="trained",
+                       help="trained: canaries are users trained and clipped by the clients, updates far above the "
+                       "clip norm, so a skipped clip is flagged (default); injected: updates of norm zeta added "
+                       "after the clients in the model's own parameters (no client clip; needs 2M parameters)")
     audit.add_argument("--mechanism-only", action="store_true",
                        help="real users send zero updates: the mechanism without the training's drift (the default)")
     audit.add_argument("--noise-scale", type=float, default=1.0, metavar="S",

@@ -1,6 +1,7 @@
 """`fed-dp audit` on the in-process engine: it has power (no noise, and a mechanism with 4× less noise than it
 accounts for, are caught, by the mechanism test at accounted ε = 4 and 8) and is sound (with the real mechanism
-its lower bound stays below the accounted ε and the mechanism test does not flag it)."""
+its lower bound stays below the accounted ε and neither test flags it). Its canaries are trained by the clients
+by default; tests/simulations/test_audit_clip.py plants a skipped clip in each client path."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import pytest
 
 from fed_dp.config import LocalTraining, PrivacyConfig
+from fed_dp.audit import mechanism_test_power
 from fed_dp.optimizers import make_optimizer
 from fed_dp.simulations.audit import run_audit
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
@@ -71,36 +73,55 @@ def _mechanism_audit(epsilon: float, seed: int, noise_scale: float = 1.0):
 
 @pytest.mark.parametrize("epsilon", [4.0, 8.0])
 def test_the_mechanism_test_flags_four_times_too_little_noise_and_passes_the_real_mechanism(epsilon):
-    """Issue 25 item 1: at accounted ε = 4 and 8, above the lower bound's cap (2.56 for 300 canaries at δ = 1e-5),
-    the lower bound is inconclusive, while the hypothesis test decides. With ~150 canaries per group the test's
-    μ̂ has a standard deviation of about 0.12 (ε = 4) and 0.14 (ε = 8) around q√T/σ ≈ 0.67 and 1.10; 4× too
-    little noise multiplies μ by 4 (measured: 2.5-2.7 and 4.0-4.4), 9 to 11 of its standard deviations above
-    the critical value, so a seed misses it with probability below 1e-18: every seed is flagged, p < 1e-6. An
-    honest run is flagged with probability 1 − 0.95 = 5% (the law is exact: tests/fed_dp/test_audit_statistics.py
-    checks that rate by Monte Carlo); the seeds are fixed, so the outcome is deterministic (p = 0.34, 0.67,
-    0.34 at ε = 4 and 0.49, 0.73, 0.39 at ε = 8)."""
+    """Issue 25 item 1: at accounted ε = 4 and 8, above the lower bound's cap (2.25 for 300 canaries at δ = 1e-5 and
+    the corrected 98.75%), the lower bound is inconclusive, while the hypothesis test decides. Its power from the
+    exact law (fed_dp.audit.mechanism_test_power) against 4× too little noise is above 1 − 1e-9 for every seed,
+    so a seed misses it with probability below 1e-9: every seed is flagged, p < 1e-6. An honest run gets any of
+    the audit's four verdicts with probability at most 5% (Bonferroni, each at 1.25%; the laws are exact:
+    tests/fed_dp/test_audit_statistics.py checks the rates by Monte Carlo); the seeds are fixed, so the outcome is
+    deterministic (mechanism test p = 0.195, 0.968, 0.078 at ε = 4 and 0.226, 0.983, 0.054 at ε = 8; clip test
+    p = 0.325, 1, 0.447 and 0.300, 1, 0.412)."""
     for seed in (0, 1, 2):
         honest = _mechanism_audit(epsilon, seed)
         assert honest.epsilon_accounted == pytest.approx(epsilon, rel=1e-3)
+        assert honest.verdicts == 4 and honest.verdict_confidence == pytest.approx(0.9875)
         assert honest.epsilon_accounted >= honest.lower_bound_cap
         for values in honest.results.values():
             assert values["lower_bound_verdict"] == "inconclusive"
         test = honest.mechanism_test
-        assert test["verdict"] == "consistent" and test["p_value"] > 0.05
+        assert test["verdict"] == honest.clip_test["verdict"] == "consistent" and test["p_value"] > 0.0125
         assert test["held_out_spread"] == pytest.approx(1.0, abs=0.25)  # the accounted noise, measured
+        law = {"noise_multiplier": honest.privacy.noise_multiplier, "rounds": 5,
+               "sampling_rate": honest.privacy.sampling_rate, "confidence": honest.verdict_confidence}
+        groups = (honest.inserted, honest.canaries - honest.inserted)
+        assert mechanism_test_power(*groups, **law, noise_scale=0.25) > 1 - 1e-9
+        assert test["power_half_noise"] == pytest.approx(mechanism_test_power(*groups, **law, noise_scale=0.5))
+        assert 0.5 < test["noise_scale_80"] < 0.8
         broken = _mechanism_audit(epsilon, seed, noise_scale=0.25)
         assert broken.epsilon_accounted == honest.epsilon_accounted  # the accounting still claims the full noise
         test = broken.mechanism_test
-        assert test["verdict"] == "leaks more than accounted at confidence 95%" and test["p_value"] < 1e-6
+        assert test["verdict"] == "leaks more than accounted at confidence 98.75%" and test["p_value"] < 1e-6
         assert test["mu"] > 3 * test["mu_expected"] and test["held_out_spread"] == pytest.approx(0.25, abs=0.07)
 
 
-def test_the_mechanism_test_is_not_run_where_its_law_does_not_hold():
-    """With training, the users' updates enter the noisy sums; without noise there is nothing to test against."""
+def test_the_tests_run_with_training_on_trained_canaries_only():
+    """Trained canaries live on coordinates the real users' training leaves at 0: with training the tests keep
+    their exact law and run. Injected canaries are in the model's own coordinates, where training's drift
+    enters: not tested, and then the family is the two lower bounds (each at 97.5%)."""
     privacy = PrivacyConfig(expected_cohort=95, rounds=2, target_epsilon=4.0, delta=1e-5, accountant="rdp")
     trained = run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, seed=0)
-    assert trained.mode == "with training" and trained.mechanism_test["verdict"] == "not tested"
-    assert "drift" in trained.mechanism_test["reason"] and trained.mechanism_test["held_out_spread"] > 0
+    assert trained.mode == "with training" and trained.canary_kind == "trained"
+    assert trained.mechanism_test["verdict"] == trained.clip_test["verdict"] == "consistent"
+    assert trained.mechanism_test["held_out_spread"] == pytest.approx(1.0, abs=0.25)
+    injected = run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, seed=0,
+                         canary_kind="injected")
+    assert injected.mechanism_test["verdict"] == injected.clip_test["verdict"] == "not tested"
+    assert "drift" in injected.mechanism_test["reason"] and injected.mechanism_test["held_out_spread"] > 0
+    assert injected.verdicts == 2 and injected.verdict_confidence == pytest.approx(0.975)
+
+
+def test_without_noise_there_is_nothing_to_test_against():
+    privacy = PrivacyConfig(expected_cohort=95, rounds=2, target_epsilon=4.0, delta=1e-5, accountant="rdp")
     noiseless = run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, mechanism_only=True,
                           no_noise=True)
     assert noiseless.mechanism_test["verdict"] == "not tested" and "infinite" in noiseless.mechanism_test["reason"]
@@ -108,8 +129,19 @@ def test_the_mechanism_test_is_not_run_where_its_law_does_not_hold():
         assert values["lower_bound_verdict"] == "inconclusive"
     json.dumps(noiseless.rows(), allow_nan=False)  # strict JSON: the infinite ε is null
     assert noiseless.rows()[0]["epsilon_accounted"] is None
-    with pytest.raises(ValueError, match="noise_scale"):
-        run_audit(SMALL, privacy, make_optimizer("dp-fedavg"), LOCAL, canaries=300, noise_scale=-1.0)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"noise_scale": -1.0}, "noise_scale"),
+    ({"canary_kind": "planted"}, "canary_kind must be one of trained, injected"),
+    ({"canary_norm": 0.5}, "canary_norm must be a finite number >= 1"),
+    ({"optimizer": "dp-adam-stp"}, "trained canaries cannot audit scale-then-privatize"),
+])
+def test_bad_audit_arguments_are_refused(options, message):
+    privacy = PrivacyConfig(expected_cohort=95, rounds=2, target_epsilon=4.0, delta=1e-5, accountant="rdp")
+    optimizer = make_optimizer(options.pop("optimizer", "dp-fedavg"))
+    with pytest.raises(ValueError, match=message):
+        run_audit(SMALL, privacy, optimizer, LOCAL, canaries=300, **options)
 
 
 def test_the_canaries_are_orthonormal():
@@ -154,9 +186,10 @@ def test_noise_multiplier_zero_is_a_labelled_non_private_baseline_and_audits_as_
             "epsilon_accounted"] is None
 
 
-def test_a_model_too_small_for_the_canaries_is_refused():
+def test_a_model_too_small_for_injected_canaries_is_refused():
+    """Injected canaries are directions of the model's own d parameters (d ≥ 2m); trained ones have their own."""
     with pytest.raises(ValueError, match="at least 2 × canaries parameters"):
-        run_audit(heavy_tail_task(), PRIVACY, make_optimizer("dp-fedavg"), LOCAL, canaries=1000)
+        run_audit(heavy_tail_task(), PRIVACY, make_optimizer("dp-fedavg"), LOCAL, canaries=1000, canary_kind="injected")
 
 
 @pytest.mark.parametrize("setting, refused", [
