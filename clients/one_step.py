@@ -813,6 +813,9 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *, budge
         norm_sum += float(norms.sum())
         clipped += int((norms > clip_norm).sum())
     count = len(users)
-    squares = None if squares is None else squares.to(params.dtype)
+    # squares rounded towards 0 (the sum's nearest rounding is covered by clip_factors; a square's could pass ζ² in the
+    # subnormal range, where rounding is absolute)
+    if squares is not None:
+        squares = round_down_float32(squares) if params.dtype == torch.float32 else squares.to(params.dtype)
     return Contribution(total.to(params.dtype), count, squares, source=work.source, unclipped=count - clipped,
                         scaled=scale is not None), node_metrics(count, loss_sum, norm_sum, clipped)

@@ -215,6 +215,11 @@ def test_squares_and_products_at_the_edges_of_float32_stay_within_the_clip():
             x = (1 + torch.rand(1, 16, generator=g)) * 2.0**126.9 * torch.where(torch.rand(1, 16, generator=g) < .5, -1, 1)
             user = (0, Examples((x, torch.rand(1, 1, generator=g) * 3 + 0.5)))
             _check_within(_released("one-step", user, _round(model, clip_norm, loss=regression)), clip_norm)
+    for path in sorted(PATHS):  # ζ² at float32's smallest subnormal (the 10⁵-case fuzzer found squares rounded up)
+        for clip_norm in (3.7e-23, 2.0**-75):
+            model = nn.Linear(4, 3)
+            user = (0, Examples((torch.randn(2, 4, generator=g), torch.tensor([0, 2]))))
+            _check_within(_released(path, user, _round(model, clip_norm, squares=True)), clip_norm)
     for path in sorted(PATHS):  # unclipped by a hair: squares are the float32 rounding of u², rounded down now
         for _ in range(30):
             model = nn.Linear(8, 3)
