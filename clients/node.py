@@ -7,7 +7,9 @@ with this class, so a simulation and a Flower run compute the same contributions
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ from fed_dp.run_config import CLIENT_DEFAULTS
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 
 __all__ = ["LocalTrainer"]
+
+log = logging.getLogger("fed_dp.clients")
 
 
 class LocalTrainer:
@@ -68,24 +72,70 @@ class LocalTrainer:
                              "the same model, and the Strategy's initial arrays must be its named parameters")
         return self.layout.flatten(dict(named)).to(self.device)
 
-    def contribution(self, plan: RoundPlan, users: Sequence[int], *, seed: int,
-                     source: str = "") -> tuple[Contribution, dict[str, float], Path]:
+    def contribution(self, plan: RoundPlan, users: Sequence[int], *, seed: int, source: str = "",
+                     failures: str = "stop") -> tuple[Contribution, dict[str, float], Path]:
         """Σ of the clipped updates of ``users`` (indices: this node's share of the plan's cohort) trained from the
         plan's flat θ, clipped to its ζ (in its geometry s_t), their count (and Σu² when the plan asks), the
         training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`); ``seed``: the
         run's local-training seed, from which each user's derives.
 
-        A user whose examples fail to load, or whose training raises, stops the call with
-        :class:`~fed_dp.contribution.UserTrainingError` naming the round (``plan.round + 1``) and that user."""
-        examples = [(int(u), self._load(int(u), plan.round)) for u in users]
+        A user whose examples fail to load, or whose training raises (a NaN or Inf loss or update included):
+        ``failures="stop"`` (the in-process engine: a research run stops to show it) stops the call with
+        :class:`~fed_dp.contribution.UserTrainingError` naming the round (``plan.round + 1``) and that user;
+        ``failures="zero"`` (a deployed node) sends such users as zero updates and the others' sum, so that one
+        user's data moves the node's reply by at most its own clipped update, ζ (dropping the whole reply would move
+        it by every user's); unless every user failed, which raises as "stop" does (the server drops the reply: the
+        same as zero for each). The metrics then count them (``failed_users``) and this node's log names them."""
+        if failures not in ("stop", "zero"):
+            raise ValueError(f"failures must be 'stop' or 'zero', got {failures!r}")
         work = LocalRound(params=plan.params.to(self.device), round_index=plan.round, clip_norm=plan.clip_norm,
                           scale=None if plan.scale is None else plan.scale.to(self.device),
                           send_squares=plan.send_squares, model=self.model, layout=self.layout, training=self.local,
                           loss=self.task.loss, seed=seed, source=source)
+        if failures == "zero":
+            return self._without_failed(users, work, plan.round)
+        examples = [(int(u), self._load(int(u), plan.round)) for u in users]
         try:
             return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
         except Exception as error:
             raise self._failure(examples, work, error) from error
+
+    def _without_failed(self, users: Sequence[int], work: LocalRound,
+                        round_index: int) -> tuple[Contribution, dict[str, float], Path]:
+        """:meth:`contribution` with ``failures="zero"``: train the users together; if that raises, find every user
+        whose loading or training alone raises, and train the others without them (an error path: the users are
+        trained one at a time once to find them)."""
+        failed: list[UserTrainingError] = []
+        examples = []
+        for user in users:
+            try:
+                examples.append((int(user), self._load(int(user), round_index)))
+            except UserTrainingError as error:
+                failed.append(error)
+        if not failed:
+            try:
+                return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
+            except Exception:
+                pass
+        kept = []
+        for user, data in examples:
+            try:
+                contribution([(user, data)], work, vectorized=False)
+                kept.append((user, data))
+            except Exception as error:
+                failed.append(UserTrainingError(round_index + 1, user, self.user_id(user), error))
+        if not kept:
+            raise failed[0]
+        try:
+            result, metrics, path = contribution(kept, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
+        except Exception as error:  # users that train alone but not together: the node's error
+            raise self._failure(kept, work, error) from error
+        for error in failed:
+            log.warning("%s; the user is sent as a zero update", error)
+        extra = len(failed)
+        result = replace(result, count=result.count + extra,
+                         unclipped=None if result.unclipped is None else result.unclipped + extra)
+        return result, {**metrics, "failed_users": float(extra)}, path
 
     def _load(self, user: int, round_index: int) -> Examples:
         """The examples of ``user``; UserTrainingError naming the round and the user when they fail to load."""

@@ -318,6 +318,16 @@ def parse_train_reply(reply: Message, plan: RoundPlan, asked: int, dim: int, dty
     return Contribution(total, count, squares, source=f"node {node}", unclipped=unclipped, scaled=scaled)
 
 
+def failed_users(reply: Message) -> int:
+    """How many of the users a node was asked for failed to load or train and went as zero updates (its reply's
+    ``failed_users`` diagnostic; 0 when absent or unreadable): operator-only information."""
+    try:
+        value = reply.content[METRICS]["failed_users"]
+    except Exception:
+        return 0
+    return int(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 0
+
+
 def _vector(value: Any, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ReplyError(f"{name} is missing")

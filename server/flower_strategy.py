@@ -343,6 +343,11 @@ class UserLevelDP(Strategy):
                                                                 self.state.params.dtype))
             except protocol.ReplyError as error:
                 failures.append((f"{self._label(node)}: {error}", asked[node]))
+                continue
+            failed = protocol.failed_users(reply)
+            if failed:
+                failures.append((f"{self._label(node)}: {failed} sampled user(s) failed to load or train and were sent "
+                                 "as zero updates (that node's log says which and why)", 0))
         missing = sorted(set(asked) - answered)
         online = set(self._grid.get_node_ids()) if missing and self._grid is not None else set()
         for node in missing:

@@ -20,10 +20,11 @@ from fed_dp.checkpoint import COMMIT_NAME, RESULTS_NAME, load_checkpoint, read_d
 from fed_dp.clients import protocol
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.clients.replies import hosted_users, query_reply, train_reply
-from fed_dp.clients.task import Task, Users, initial_model
+from fed_dp.clients.task import Examples, Task, Users, initial_model
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import make_optimizer
+from fed_dp.contribution import UserTrainingError
 from fed_dp.round import Contribution, init_server, begin_round
 from fed_dp.server.flower_strategy import UserLevelDP, centralized_evaluation, model_arrays
 from fed_dp.server.membership import ModelMismatchError, NoUsersError
@@ -529,3 +530,43 @@ def test_run_seed_reaches_every_client_so_the_server_app_never_seeds_the_sampler
     assert torch.equal(research["sampler"]["generator_state"], rebuilt["sampler"]["generator_state"])
     with pytest.raises(ValueError, match=SERVER_SEED_VARIABLE):
         make_strategy(run, TASK.num_users, {SERVER_SEED_VARIABLE: "five"})
+
+
+def test_one_users_bad_data_moves_a_nodes_reply_by_at_most_its_own_update(tmp_path):
+    """A deployed node hosting many users: one whose data make training fail (NaN inputs, or examples that fail to
+    load) is sent as a zero update and the others' sum goes out, so the reply with that user differs from the reply
+    without it by nothing (≤ ζ: it was dropping the whole reply, every user's update). The node's log names the
+    user; the server's operator log says how many users of that node went as zeros; the round is released."""
+    def load(uid):
+        x, y = TASK.users[uid].fields
+        if uid == 3:
+            return Examples((torch.full_like(x, float("nan")), y))
+        if uid == 5:
+            raise FileNotFoundError(f"users/{uid}.pt")
+        return Examples((x, y))
+
+    bad = Task(name="bad", users=Users(list(range(TASK.num_users)), load), model=TASK.model, loss=TASK.loss)
+    trainer, clean = LocalTrainer(bad, LOCAL, device="cpu"), LocalTrainer(TASK, LOCAL, device="cpu")
+    with simulation():
+        state = init_server(PRIVACY, make_optimizer("dp-fedavg"), initial_model(TASK, 0)[2], seed=0)
+    plan = begin_round(state)
+    users = [0, 1, 2, 3, 4, 5, 6]
+    result, metrics, _ = trainer.contribution(plan, users, seed=1, failures="zero")
+    without, _, _ = clean.contribution(plan, [0, 1, 2, 4, 6], seed=1)
+    assert torch.equal(result.total, without.total) and result.count == 7 and metrics["failed_users"] == 2.0
+    with pytest.raises(UserTrainingError):
+        trainer.contribution(plan, users, seed=1)  # the in-process engine's default: stop, naming the user
+    with pytest.raises(UserTrainingError):
+        trainer.contribution(plan, [3, 5], seed=1, failures="zero")  # every user failed: the node's error
+
+    def handler(message: Message) -> Message:
+        hosted = range(20) if message.metadata.dst_node_id == 100 else range(20, 40)
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, hosted, model=trainer.model)
+        return train_reply(message, trainer, hosted=hosted)
+
+    strategy = UserLevelDP(PRIVACY.replace(rounds=3), "dp-fedavg", seed=2, checkpoint_dir=str(tmp_path))
+    strategy.start(InProcessGrid({100: handler, 101: handler}), model_arrays(initial_model(TASK, 2)[0]))
+    assert load_checkpoint(tmp_path)["state"]["round"] == 3
+    log = (tmp_path / "secret" / "operator.log").read_text()
+    assert "failed to load or train and were sent as zero updates" in log
