@@ -325,13 +325,14 @@ def tinybert_task(*, root: str, pretrained: str | None = None, architecture: str
 
 
 def markov_task(*, pretrained: str | None = None, architecture: str = "gpt2-tiny", lora_r: int = 8,
-                users: int = 200, sequences: int = 8, length: int = 24, vocab: int = 64, shift: float = 0.25,
+                lora_targets: str = "c_attn", users: int = 200, sequences: int = 8, length: int = 24, vocab: int = 64, shift: float = 0.25,
                 eval_sequences: int = 256, seed: int = 0, init_seed: int = 0, layers: int | None = None,
                 hidden: int | None = None, heads: int | None = None) -> Task:
     """Users' text in a synthetic Markov language (``synthetic.markov_chain`` with ``shift``: the users' language
     differs from the public one of the pre-training stand-in in a ``shift`` fraction of its rows), ``sequences``
-    sequences of ``length`` tokens per user, no files; a small GPT-2 with LoRA of rank ``lora_r`` on ``c_attn`` (0:
-    every parameter), from ``pretrained`` or fresh weights. Held-out: ``eval_sequences`` more of the users'
+    sequences of ``length`` tokens per user, no files; a small GPT-2 with LoRA of rank ``lora_r`` on the layers named
+    in ``lora_targets`` (comma-separated: ``c_attn``, the attention; ``c_fc``, the MLP's first layer; 0: every
+    parameter), from ``pretrained`` or fresh weights. Held-out: ``eval_sequences`` more of the users'
     language. Built for tests, benchmarks and docs/tutorials/fine-tune.md's pre-training stand-in."""
     users, sequences = check_int("task.users", users, minimum=1), check_int("task.sequences", sequences, minimum=1)
     chain = synthetic.markov_chain(vocab, seed=seed, shift=shift)
@@ -342,7 +343,8 @@ def markov_task(*, pretrained: str | None = None, architecture: str = "gpt2-tiny
     rows = [(all_tokens[i * sequences:(i + 1) * sequences], mask[i * sequences:(i + 1) * sequences])
             for i in range(users)]
     held = (all_tokens[users * sequences:], mask[users * sequences:])
-    return _lm_task("hf-markov", source, tokens, rows, held, lora=_lora(lora_r, None, ["c_attn"], True),
+    targets = [t.strip() for t in str(lora_targets).split(",") if t.strip()]
+    return _lm_task("hf-markov", source, tokens, rows, held, lora=_lora(lora_r, None, targets, True),
                     init_seed=init_seed, what=f"N={users} users of {sequences} sequences of {length} tokens")
 
 

@@ -77,3 +77,19 @@ def test_a_pretrained_folder_is_loaded_and_its_frozen_weights_are_kept(tmp_path)
         _bert_block(16, 64) + (16 * 16 + 16) + (16 * 3 + 3)
     with pytest.raises(ValueError, match="task.pretrained = .*no model could be loaded from it"):
         hf_tasks.snli_task(root=str(root), pretrained=str(tmp_path / "nothing-here"), users=3)
+
+
+def test_bert_base_with_the_seeds_freezing_trains_the_last_block_pooler_and_classifier_at_full_size():
+    """The seeds' count at bert-base's real size (built on the meta device: shapes only, no memory): the last of 12
+    blocks, the pooler and a 3-way classifier, 7,680,771 of 109,484,547 with BERT's 30,522-token vocabulary."""
+    from fed_dp.clients import hf
+
+    family, sizes = hf_tasks.ARCHITECTURES["bert-base"]
+    config = transformers.BertConfig(vocab_size=30522, num_labels=3, **sizes)
+    with torch.device("meta"):
+        model = hf.transformer(config, "sequence-classification",
+                               trainable=[r"encoder\.layer\.11\.", r"pooler\.", r"classifier\."])
+    trained, total = hf.trainable_count(model)
+    assert family == "bert" and trained == _bert_block(768, 3072) + (768 * 768 + 768) + (768 * 3 + 3) == 7_680_771
+    embeddings = 30522 * 768 + 512 * 768 + 2 * 768 + 2 * 768  # words, positions, token types, LayerNorm
+    assert total == embeddings + 12 * _bert_block(768, 3072) + (768 * 768 + 768) + (768 * 3 + 3) == 109_484_547
