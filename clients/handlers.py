@@ -25,8 +25,11 @@ def _trainer(context: Context):
     key = repr((run.task, root, run.local, run.client))
     if key not in _TRAINERS:
         _TRAINERS.clear()
+        # seeded as the ServerApp seeds its initial model (run.seed): frozen parameters that are initialized rather
+        # than loaded come out the same on every node and on the server (checked by the user query)
         _TRAINERS[key] = LocalTrainer(build_task(run.task, node_root=root), run.local, device=run.client.device,
-                                      training=run.client.training, chunk_size=run.client.chunk_size)
+                                      training=run.client.training, chunk_size=run.client.chunk_size,
+                                      seed=run.run.seed)
     return _TRAINERS[key]
 
 

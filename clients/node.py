@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from fed_dp.clients.task import Examples, Task, Users
+from fed_dp.clients.task import Examples, Task, Users, seeded_model, trainable_layout
 from fed_dp.clients.training import LocalRound, UserExamples, keep_freed_memory, resolve_device, use_fast_format
 from fed_dp.clients.vectorized import Path, contribution, select_path
 from fed_dp.config import LocalTraining
-from fed_dp.flat import ParamLayout
 from fed_dp.run_config import CLIENT_DEFAULTS
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
 
@@ -32,13 +31,16 @@ class LocalTrainer:
 
     ``training``: ``"auto"`` (users whose update is one full-batch step on ``clients.one_step``, the others
     vectorized over users on CUDA, one at a time on the CPU), ``"vectorized"`` or
-    ``"sequential"``; ``chunk_size`` bounds the users of one vectorized call. The model is built once; every
-    round loads the broadcast θ into it. In-memory users are moved to the device once.
+    ``"sequential"``; ``chunk_size`` bounds the users of one vectorized call. The model is built once (with the
+    torch RNG seeded to ``seed`` when given: ``fed_dp.clients.task.seeded_model``); every round loads the broadcast
+    θ of its trainable parameters into it, and its frozen parameters (``requires_grad=False``) stay as built, so
+    a node builds them as the server does: pretrained weights from a local folder, or the same ``seed``
+    (``run.seed`` in a Flower run). In-memory users are moved to the device once.
     """
 
     def __init__(self, task: Task, local: LocalTraining | None = None, *,
                  device: str | torch.device = CLIENT_DEFAULTS.device, training: str = CLIENT_DEFAULTS.training,
-                 chunk_size: int | None = CLIENT_DEFAULTS.chunk_size) -> None:
+                 chunk_size: int | None = CLIENT_DEFAULTS.chunk_size, seed: int | None = None) -> None:
         if not isinstance(task, Task):
             raise ValueError(f"LocalTrainer needs a fed_dp.Task, got {type(task).__name__}")
         paths = {"auto": None, "vectorized": True, "sequential": False}
@@ -51,9 +53,10 @@ class LocalTrainer:
             keep_freed_memory()  # one small user after another: stop the heap from being trimmed at every step
         self.vectorized = paths[training]
         self.chunk_size = chunk_size
-        self.model = task.build_model().to(self.device)  # its initial weights are replaced by each broadcast θ
-        select_path(self.model, self.vectorized, self.device)  # "vectorized" with BatchNorm fails here, not later
-        self.layout = ParamLayout.from_state_dict({k: v.detach() for k, v in self.model.named_parameters()})
+        # its trainable weights are replaced by each broadcast θ; its frozen ones stay as built (from ``seed``)
+        self.model = seeded_model(task, seed).to(self.device)
+        select_path(self.model, self.vectorized, self.device)  # "vectorized" with active dropout fails here, not later
+        self.layout, _ = trainable_layout(self.model)
         first = [(0, task.users[0])] if task.users.in_memory_examples is not None else []
         self.memory_format = use_fast_format(self.model, first)
         self.users: Users = task.users.to(self.device, self.memory_format)

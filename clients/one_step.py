@@ -124,7 +124,7 @@ def unsupported_reason(model: nn.Module, loss: Loss) -> str:
             return f"the model contains BatchNorm ({name}): its statistics mix the examples of different users"
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
             return f"the model has active dropout ({name}): its masks would differ from one-user-at-a-time training"
-        own = list(module.named_parameters(recurse=False))
+        own = [(pname, p) for pname, p in module.named_parameters(recurse=False) if p.requires_grad]  # frozen: no G_u
         if own and not isinstance(module, SUPPORTED):
             return f"layer {name or '<root>'} ({type(module).__name__}) has parameters and is not one of " \
                    f"{', '.join(t.__name__ for t in SUPPORTED)}"
@@ -568,7 +568,7 @@ def _forward_backward(model: nn.Module, loss: Loss, examples: Examples, users: i
                       names: dict[int, str]) -> _Chunk:
     recorder = _Recorder()
     handles = [m.register_forward_hook(recorder.hook) for m in model.modules()
-               if isinstance(m, SUPPORTED) and any(True for _ in m.parameters(recurse=False))]
+               if isinstance(m, SUPPORTED) and any(p.requires_grad for p in m.parameters(recurse=False))]
     try:
         losses = _user_losses(loss, model, examples, users)
     finally:

@@ -8,8 +8,11 @@ QUERY, "which users do you host?" (once per node id, when the server first sees 
     a virtual node  {"fed-dp.users": ConfigRecord{"users": [], "virtual-nodes": P, "num-users": N, "model": ...}}
 
 ``model`` is the node's model fingerprint (:func:`model_fingerprint`): its trained parameters' names and shapes, in
-order. The server compares it with its own model before round 1 and refuses a node whose model differs
-(:func:`fingerprint_mismatch`), before any round is sampled or any noise drawn. It is optional, so replies of
+order, then its frozen parameters (``requires_grad=False``) with a digest of their values. The server compares it
+with its own model before round 1 and refuses a node whose model differs (:func:`fingerprint_mismatch`: another
+trainable set, other shapes, other frozen values), before any round is sampled or any noise drawn. Frozen
+parameters never travel: the node builds them as the server does (pretrained weights from a local folder, or the
+same seed), and the digest says whether it did. It is optional, so replies of
 nodes that do not send it still parse (the check is then skipped, with a warning) and the protocol version is
 unchanged.
 
@@ -19,7 +22,7 @@ itself instead of asking each of them (``fed_dp.server.membership``).
 
 TRAIN, round t, to each node hosting sampled users:
 
-    server → node   {"fed-dp.model": ArrayRecord θ_{t−1} by parameter name,
+    server → node   {"fed-dp.model": ArrayRecord θ_{t−1} by parameter name (the trainable ones only),
                      "fed-dp.scale": ArrayRecord{"scale": s_t} (scale-then-privatize only),
                      "fed-dp.round": ConfigRecord{protocol, round, users, clip-norm, send-squares, send-clip-bits, seed},
                      "config": ConfigRecord (the Strategy's train_config, for a user's own ClientApp)}
@@ -37,6 +40,7 @@ shapes, NaN/Inf, impossible counts); the server then counts that node's users as
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -47,6 +51,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
+from fed_dp.clients.task import frozen_parameters, trainable_parameters
 from fed_dp.contribution import Contribution, RoundPlan
 
 PROTOCOL = 1
@@ -55,7 +60,8 @@ MODEL, SCALE, ROUND, CONFIG = "fed-dp.model", "fed-dp.scale", "fed-dp.round", "c
 UPDATE, REPLY, METRICS = "fed-dp.update", "fed-dp.reply", "metrics"
 
 __all__ = [
-    "ReplyError", "TrainRequest", "VirtualNodeUsers", "destinations", "fingerprint_mismatch", "make_train_reply",
+    "ReplyError", "TrainRequest", "VirtualNodeUsers", "destinations", "fingerprint_mismatch", "frozen_fingerprint",
+    "make_train_reply",
     "model_fingerprint", "node_fingerprint", "node_name", "parse_train_reply", "parse_train_request",
     "parse_users_reply", "query_reply", "replying_node", "train_message", "users_query", "virtual_nodes",
 ]
@@ -90,31 +96,73 @@ class VirtualNodeUsers(tuple):
         return users
 
 
+def _digest(tensor: torch.Tensor) -> str:
+    """16 hex digits of BLAKE2b over a tensor's bytes (its values, in row-major order): equal exactly when the
+    bytes are equal, but for a collision (probability about 2⁻⁶⁴ for two different tensors)."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
+
+
+def frozen_fingerprint(model: nn.Module) -> list[str]:
+    """``["name:d0xd1x...:frozen:<digest>", ...]``: the frozen parameters of ``model`` (``requires_grad=False``,
+    ``fed_dp.clients.task.frozen_parameters``), each with a digest of its values. They are never sent; these
+    entries let the server check, before round 1, that a node built the same ones."""
+    return [f"{name}:{'x'.join(str(int(n)) for n in p.shape)}:frozen:{_digest(p)}"
+            for name, p in frozen_parameters(model).items()]
+
+
 def model_fingerprint(model: nn.Module | Mapping[str, torch.Tensor | Sequence[int]]) -> list[str]:
-    """``["name:d0xd1x...", ...]``: the names and shapes of a model's trained parameters, in order: its
-    ``named_parameters()``, or a mapping of name → tensor (or shape); a scalar's shape is empty (``"name:"``)."""
-    named = model.named_parameters() if isinstance(model, nn.Module) else model.items()
-    return [f"{name}:{'x'.join(str(int(n)) for n in getattr(value, 'shape', value))}" for name, value in named]
+    """``["name:d0xd1x...", ...]``: the names and shapes of a model's trained parameters, in order, then its frozen
+    parameters (:func:`frozen_fingerprint`): for a module, its trainable ``named_parameters()`` (those with
+    ``requires_grad``) and its frozen ones; for a mapping of name → tensor (or shape), every entry as trained. A
+    scalar's shape is empty (``"name:"``)."""
+    if isinstance(model, nn.Module):
+        return model_fingerprint(trainable_parameters(model)) + frozen_fingerprint(model)
+    return [f"{name}:{'x'.join(str(int(n)) for n in getattr(value, 'shape', value))}" for name, value in model.items()]
 
 
-def _describe(entry: str | None) -> str:
+def _parse_entry(entry: str) -> tuple[str, str, str | None]:
+    """A fingerprint entry → (name, shape "d0xd1", the frozen digest or None for a trained parameter)."""
+    head, marker, digest = entry.rpartition(":frozen:")
+    if not marker:
+        head, digest = entry, None
+    name, _, shape = head.rpartition(":")
+    return name, shape, digest
+
+
+def _describe(entry: str | None, kinds: bool = False) -> str:
     if entry is None:
         return "nothing (no parameter there)"
-    name, _, shape = entry.rpartition(":")
-    return f"{name!r} of shape ({', '.join(shape.split('x')) if shape else ''})"
+    name, shape, digest = _parse_entry(entry)
+    kind = ("trainable " if digest is None else "frozen ") if kinds else ""
+    return f"{kind}{name!r} of shape ({', '.join(shape.split('x')) if shape else ''})"
 
 
 def fingerprint_mismatch(server: Sequence[str], node: Sequence[str]) -> str | None:
     """None when the two fingerprints (:func:`model_fingerprint`) agree, else the first parameter that differs,
-    with its name and shape on each side."""
+    with its name and shape on each side; where either model has frozen parameters, also whether each side trains
+    or freezes it, and for a frozen parameter of the same name and shape, that its values differ."""
     if list(server) == list(node):
         return None
     index = next(i for i in range(max(len(server), len(node)))
                  if i >= len(server) or i >= len(node) or server[i] != node[i])
     mine = server[index] if index < len(server) else None
     theirs = node[index] if index < len(node) else None
-    return (f"parameter #{index + 1} is {_describe(theirs)} on the node but {_describe(mine)} on the server "
-            f"(the node's model has {len(node)} parameter tensors, the server's {len(server)})")
+    frozen = [sum(1 for entry in side if _parse_entry(entry)[2] is not None) for side in (node, server)]
+    if not any(frozen):
+        return (f"parameter #{index + 1} is {_describe(theirs)} on the node but {_describe(mine)} on the server "
+                f"(the node's model has {len(node)} parameter tensors, the server's {len(server)})")
+    if mine is not None and theirs is not None:
+        (name, shape, digest), (their_name, their_shape, their_digest) = _parse_entry(mine), _parse_entry(theirs)
+        if (name, shape) == (their_name, their_shape) and digest is not None and their_digest is not None:
+            return (f"frozen parameter {name!r} holds other values on the node than on the server (digest "
+                    f"{their_digest} against {digest}). Frozen parameters are never sent: every node and the server "
+                    "build them themselves, so they must load the same pretrained weights (task.pretrained) or "
+                    "initialize them from the same seed (run.seed)")
+    return (f"parameter #{index + 1} is {_describe(theirs, True)} on the node but {_describe(mine, True)} on the "
+            f"server (the node's model has {len(node) - frozen[0]} trainable and {frozen[0]} frozen parameter "
+            f"tensors, the server's {len(server) - frozen[1]} and {frozen[1]}): both must build the same model and "
+            "freeze the same parameters (requires_grad=False)")
 
 
 def node_fingerprint(reply: Message) -> list[str] | None:

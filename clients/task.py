@@ -40,7 +40,8 @@ Batch = Union[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
 Loss = Callable[[nn.Module, Batch], torch.Tensor]
 Evaluation = Callable[[nn.Module], Mapping[str, float]]
 
-__all__ = ["Batch", "Evaluation", "Examples", "Loss", "Task", "Users", "build_task", "initial_model", "load_task"]
+__all__ = ["Batch", "Evaluation", "Examples", "Loss", "Task", "Users", "build_task", "check_model", "frozen_parameters",
+           "initial_model", "load_task", "seeded_model", "trainable_layout", "trainable_parameters"]
 
 
 def _tensor(value: Any, where: str) -> torch.Tensor:
@@ -280,18 +281,77 @@ class Task:
         return self.users.num_users
 
     def build_model(self) -> nn.Module:
-        """A fresh model from the factory, checked: a ``torch.nn.Module`` with floating-point parameters."""
+        """A fresh model from the factory, checked (:func:`check_model`): a ``torch.nn.Module`` with at least one
+        trainable floating-point parameter and no running statistics."""
         model = self.model()
         if not isinstance(model, nn.Module):
             raise ValueError(f"the model factory of task {self.name!r} returned a {type(model).__name__}, not a "
                              "torch.nn.Module")
-        parameters = list(model.parameters())
-        if not parameters:
-            raise ValueError(f"the model of task {self.name!r} has no parameters to train")
-        bad = [name for name, p in model.named_parameters() if not p.dtype.is_floating_point]
-        if bad:
-            raise ValueError(f"model parameters {bad} are not floating point; they cannot be trained by SGD")
+        check_model(model, self.name)
         return model
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters users train, by name, in ``named_parameters()`` order: those with ``requires_grad``.
+
+    The trainable part is what a run trains end to end: each user's update Δ_i, its clip, the sums, the noise
+    (its dimension d is the trainable count), the server optimizer and its state, the checkpoints and the arrays
+    of every TRAIN message. Parameters with ``requires_grad=False`` (a frozen pretrained base, the base weights
+    under a LoRA adapter) are *frozen*: never sent, never noised, never changed; every process builds them itself
+    (:func:`frozen_parameters`)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def frozen_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters with ``requires_grad=False``, by name: the frozen part of the model (see
+    :func:`trainable_parameters`). Nothing of a run writes them; the server and every node build them from the
+    task's model factory (pretrained weights loaded from a local folder, or initialized from ``run.seed``), and a
+    node whose frozen part differs from the server's is refused before round 1 (``fed_dp.query_reply``)."""
+    return {name: p for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def trainable_layout(model: nn.Module) -> tuple[ParamLayout, torch.Tensor]:
+    """The layout of the model's trainable parameters (:func:`trainable_parameters`) and their flat vector θ."""
+    named = {k: v.detach() for k, v in trainable_parameters(model).items()}
+    layout = ParamLayout.from_state_dict(named)
+    return layout, layout.flatten(named)
+
+
+def _running_statistics(model: nn.Module) -> list[str]:
+    """Modules that update buffers from the data they see in training mode: BatchNorm and InstanceNorm layers
+    with ``track_running_stats`` (their running mean and variance)."""
+    return [f"{name or '<root>'} ({type(module).__name__})" for name, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats]
+
+
+def check_model(model: nn.Module, task_name: str = "task") -> None:
+    """ValueError, saying what to do, for a model that a private run cannot train as it is:
+
+    - no trainable parameter (every parameter has ``requires_grad=False``);
+    - a trainable parameter that is not floating point;
+    - running statistics (BatchNorm, InstanceNorm with ``track_running_stats``): they are buffers that local
+      training updates in place from a user's data, which no update carries, no noise covers and the server
+      never aggregates, so its model would evaluate with the initial statistics. Refused on every path;
+      GroupNorm and LayerNorm normalize each example by itself and need no buffers. A pretrained model whose
+      statistics should stay as they are can replace each BatchNorm with a frozen one (no running update, e.g.
+      ``torchvision.ops.FrozenBatchNorm2d``)."""
+    named = dict(model.named_parameters())
+    if not named:
+        raise ValueError(f"the model of task {task_name!r} has no parameters to train")
+    if not any(p.requires_grad for p in named.values()):
+        raise ValueError(f"every parameter of the model of task {task_name!r} has requires_grad=False: nothing "
+                         "would be trained; leave the parameters to fine-tune trainable in the model factory")
+    bad = [name for name, p in named.items() if p.requires_grad and not p.dtype.is_floating_point]
+    if bad:
+        raise ValueError(f"model parameters {bad} are not floating point; they cannot be trained by SGD")
+    running = _running_statistics(model)
+    if running:
+        raise ValueError(
+            f"the model of task {task_name!r} keeps running statistics in {', '.join(running[:3])}: local training "
+            "would update them in place from users' data, outside any update, clip or noise, and the server "
+            "would never aggregate them (it would evaluate with the initial statistics). Use GroupNorm or "
+            "LayerNorm (per-example normalization, no buffers), track_running_stats=False, or, to keep a "
+            "pretrained model's statistics fixed, a frozen BatchNorm (e.g. torchvision.ops.FrozenBatchNorm2d)")
 
 
 def load_task(target: str, options: Mapping[str, Any] | None = None) -> Task:
@@ -350,12 +410,20 @@ def build_task(settings: Any, node_root: str | None = None) -> Task:
     return load_task(settings.target, options)
 
 
-def initial_model(task: Task, seed: int) -> tuple[nn.Module, ParamLayout, torch.Tensor]:
-    """θ_0 of a run: the task's model built with the global torch RNG seeded to ``seed`` (and restored
-    afterwards), its layout and its flat parameters. Every engine starts from this for a given seed."""
+def seeded_model(task: Task, seed: int | None) -> nn.Module:
+    """The task's model built with the global torch RNG seeded to ``seed`` (and restored afterwards); unseeded
+    for None. Processes that build it with the same seed hold the same initial weights, frozen ones included."""
+    if seed is None:
+        return task.build_model()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = task.build_model()
-    named = {k: v.detach() for k, v in model.named_parameters()}
-    layout = ParamLayout.from_state_dict(named)
-    return model, layout, layout.flatten(named)
+        return task.build_model()
+
+
+def initial_model(task: Task, seed: int) -> tuple[nn.Module, ParamLayout, torch.Tensor]:
+    """θ_0 of a run: the task's model built with the global torch RNG seeded to ``seed`` (:func:`seeded_model`),
+    the layout of its trainable parameters and their flat vector (:func:`trainable_layout`). Every engine starts
+    from this for a given seed; the frozen parameters stay in the model."""
+    model = seeded_model(task, seed)
+    layout, params = trainable_layout(model)
+    return model, layout, params

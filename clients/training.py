@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fed_dp.clients.task import Examples, Loss
+from fed_dp.clients.task import Examples, Loss, trainable_parameters
 from fed_dp.clipping import clip_scaled, clip_update, round_down_float32
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
@@ -210,7 +210,7 @@ def check_finite_loss(mean_loss: float, user: object, round_index: int) -> None:
 
 
 class FlatParameters:
-    """The model's parameters and their gradients as views into two flat buffers, for the plain SGD step (no
+    """The model's trainable parameters and their gradients as views into two flat buffers, for the plain SGD step (no
     momentum, no weight decay) of :func:`local_delta`: loading θ is one copy, a step is ``values −= η · grads``
     in one operation, and Δ needs no flattening.
 
@@ -222,9 +222,10 @@ class FlatParameters:
     """
 
     def __init__(self, model: nn.Module, layout: ParamLayout) -> None:
-        named = dict(model.named_parameters())
+        named = trainable_parameters(model)  # frozen parameters keep their own storage and get no gradient
         if list(named) != list(layout.names):
-            raise ValueError(f"the model's parameters {list(named)[:5]} do not follow the layout {list(layout.names)[:5]}")
+            raise ValueError(f"the model's trainable parameters {list(named)[:5]} do not follow the layout "
+                             f"{list(layout.names)[:5]}")
         first = next(iter(named.values()))
         self.values = torch.empty(layout.size, device=first.device, dtype=first.dtype)
         self.grads = torch.zeros_like(self.values)

@@ -58,7 +58,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from fed_dp.clients import one_step
 from fed_dp.clients import training as sequential
-from fed_dp.clients.task import Examples
+from fed_dp.clients.task import Examples, trainable_parameters
 from fed_dp.clients.training import (LocalRound, UserExamples, check_finite_loss, examples_used, local_schedule,
                                      minibatch_orders, node_metrics, require_examples, scalar_loss, user_generator)
 from fed_dp.clipping import clip_rows, round_down_float32
@@ -126,8 +126,9 @@ def can_vectorize(model: nn.Module) -> tuple[bool, str]:
       GroupNorm and LayerNorm are per-example and fine.
     - dropout with p > 0 in training mode: the sequential path draws its masks from the global RNG one
       user after another, which a vmapped call cannot reproduce.
-    - parameters that are not float32: the flat per-user buffer is float32 (the update dtype), the
-      sequential path would train in the parameters' own dtype.
+    - trainable parameters that are not float32: the flat per-user buffer is float32 (the update dtype), the
+      sequential path would train in the parameters' own dtype. Frozen parameters (``requires_grad=False``) are
+      not copied per user: ``functional_call`` takes them from the module, shared by every user of a chunk.
     """
     for name, module in model.named_modules():
         if isinstance(module, _BatchNorm):
@@ -138,7 +139,7 @@ def can_vectorize(model: nn.Module) -> tuple[bool, str]:
                 "masks come from the global RNG user after user in the sequential path and cannot be "
                 "reproduced vectorized (call model.eval() or use the sequential path)"
             )
-    for name, p in model.named_parameters():
+    for name, p in trainable_parameters(model).items():  # frozen ones are shared by every user, in any dtype
         if p.dtype != FLAT_DTYPE:
             return False, f"parameter {name!r} has dtype {p.dtype}; the vectorized path trains in {FLAT_DTYPE}"
     return True, ""

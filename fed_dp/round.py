@@ -96,7 +96,9 @@ class ServerState:
         device, dtype = self.params.device, self.params.dtype
         params = data["params"]
         if tuple(params.shape) != tuple(self.params.shape):
-            raise ValueError(f"checkpoint params have shape {tuple(params.shape)}, model has {tuple(self.params.shape)}")
+            raise ValueError(f"checkpoint params have shape {tuple(params.shape)}, model has {tuple(self.params.shape)}: "
+                             "a checkpoint holds the model's trainable parameters (requires_grad), so a resume must "
+                             "build the same model and freeze the same parameters")
         self.params = params.to(device, dtype).clone()
         self.opt_state = OptimizerState(
             **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data["opt_state"].items()}

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 from collections.abc import Mapping
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -44,10 +45,11 @@ def server_seed(environ: Mapping[str, str]) -> int | None:
 
 
 def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
-                  strategy_class: type[UserLevelDP] = UserLevelDP) -> UserLevelDP:
+                  strategy_class: type[UserLevelDP] = UserLevelDP, frozen: Any = None) -> UserLevelDP:
     """The ServerApp's strategy for ``run``: ``run.seed`` seeds the clients' local training only; the sampler and
     the noise get :func:`server_seed` (see the module docstring). ``strategy_class``: a subclass of
-    :class:`UserLevelDP` to build instead (an app's own, overriding configure_train or aggregate_train)."""
+    :class:`UserLevelDP` to build instead (an app's own, overriding configure_train or aggregate_train).
+    ``frozen``: the run's model, whose frozen parameters every node must hold too (``UserLevelDP``'s ``frozen``)."""
     if not (isinstance(strategy_class, type) and issubclass(strategy_class, UserLevelDP)):
         raise ValueError(f"strategy_class must be UserLevelDP or a subclass of it, got {strategy_class!r}")
     privacy = run.privacy if run.privacy.num_users is not None else run.privacy.replace(num_users=num_users)
@@ -59,7 +61,7 @@ def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
         seed=server_seed(environ), training_seed=run.run.seed, checkpoint_dir=run.server.checkpoint_dir,
         eval_every=run.run.eval_every, max_empty_rounds=run.server.max_empty_rounds,
         min_nodes=run.server.min_nodes, node_wait=run.server.node_wait,
-        noise_source=run.server.noise_source,
+        noise_source=run.server.noise_source, frozen=frozen,
     )
 
 
@@ -71,6 +73,6 @@ def main(grid: Grid, context: Context) -> None:
     logging.getLogger("fed_dp.server").info("fed-dp task: %s", task.description or task.name)
     seed = run.run.seed
     model, _, _ = initial_model(task, seed if seed is not None else secrets.randbits(62))
-    strategy = make_strategy(run, task.num_users, os.environ)
+    strategy = make_strategy(run, task.num_users, os.environ, frozen=model)
     strategy.start(grid=grid, initial_arrays=model_arrays(model), timeout=run.server.reply_timeout,
-                   evaluate_fn=centralized_evaluation(task))
+                   evaluate_fn=centralized_evaluation(task, model))

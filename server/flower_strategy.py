@@ -45,6 +45,7 @@ guarantee: this strategy evaluates centrally (``evaluate_fn``) and sends no EVAL
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import OrderedDict, defaultdict
@@ -62,7 +63,7 @@ from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.clients import protocol
 from fed_dp.clients.evaluation import evaluate_params
-from fed_dp.clients.task import Task
+from fed_dp.clients.task import Task, trainable_layout, trainable_parameters
 from fed_dp.config import PrivacyConfig
 from fed_dp.context import in_simulation
 from fed_dp.flat import ParamLayout
@@ -95,17 +96,21 @@ def configure_logging() -> None:
 
 
 def model_arrays(model: nn.Module) -> ArrayRecord:
-    """The initial arrays of a model for :meth:`UserLevelDP.start`: its named parameters (what users train)."""
-    return ArrayRecord(torch_state_dict=OrderedDict((k, v.detach().cpu()) for k, v in model.named_parameters()))
+    """The initial arrays of a model for :meth:`UserLevelDP.start`: its trainable named parameters (what users
+    train, ``fed_dp.clients.task.trainable_parameters``). Frozen parameters are not among them: they are never
+    sent; give the model to the strategy as ``frozen=model`` so that nodes are checked to hold the same ones."""
+    return ArrayRecord(torch_state_dict=OrderedDict((k, v.detach().cpu()) for k, v in trainable_parameters(model).items()))
 
 
-def centralized_evaluation(task: Task) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+def centralized_evaluation(task: Task, model: nn.Module | None = None) -> Callable[[int, ArrayRecord], MetricRecord | None]:
     """Flower's ``evaluate_fn`` for a task: the global model evaluated with ``task.evaluate`` on the server
-    (None when the task has no evaluation). The model is built once."""
+    (None when the task has no evaluation). ``model``: the run's initial model, whose frozen parameters the
+    evaluation keeps (a copy of it is used; pass it when the model has frozen parameters that are not loaded
+    from files, e.g. initialized from ``run.seed``); None: the task's model is built once here."""
     if task.evaluate is None:
         return lambda server_round, arrays: None
-    model = task.build_model()
-    layout = ParamLayout.from_state_dict({k: v.detach() for k, v in model.named_parameters()})
+    model = task.build_model() if model is None else copy.deepcopy(model)
+    layout, _ = trainable_layout(model)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         params = layout.flatten(dict(arrays.to_torch_state_dict()))
@@ -180,6 +185,10 @@ class UserLevelDP(Strategy):
     noise_source: where the Gaussian noise comes from (``fed_dp.randomness``): ``"secure"`` (AES-CTR keyed from OS
         entropy, whatever the seed), ``"torch"`` (a seeded generator: reproducible, for research), or ``"auto"``
         (``server.noise-source``'s default): secure unless a seed is given.
+    frozen: the run's model (or its ``protocol.frozen_fingerprint``) when it has frozen parameters
+        (``requires_grad=False``): they are never sent, so every node builds its own, and a node whose frozen
+        parameters differ from these (other names, shapes or values) is refused before round 1. None: the model
+        has none; a node that reports frozen parameters is then refused.
     """
 
     def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name, *,
@@ -187,7 +196,8 @@ class UserLevelDP(Strategy):
                  training_seed: int | None = None, checkpoint_dir: str | None = SERVER_DEFAULTS.checkpoint_dir,
                  eval_every: int = RUN_DEFAULTS.eval_every, max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
                  min_nodes: int = SERVER_DEFAULTS.min_nodes, node_wait: float = SERVER_DEFAULTS.node_wait,
-                 on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str = SERVER_DEFAULTS.noise_source) -> None:
+                 on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str = SERVER_DEFAULTS.noise_source,
+                 frozen: nn.Module | list[str] | None = None) -> None:
         super().__init__()
         if not isinstance(privacy, PrivacyConfig):
             raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
@@ -209,6 +219,10 @@ class UserLevelDP(Strategy):
         self.privacy, self.adaptive_clipping, self.seed = privacy, adaptive_clipping, seed
         self.checkpoint_dir, self.eval_every, self.max_empty_rounds = checkpoint_dir, eval_every, max_empty_rounds
         self.min_nodes, self.node_wait, self.on_round = min_nodes, node_wait, on_round
+        if frozen is not None and not isinstance(frozen, (nn.Module, list)):
+            raise ValueError(f"frozen must be the run's torch.nn.Module (or its protocol.frozen_fingerprint), got "
+                             f"{type(frozen).__name__}")
+        self.frozen = protocol.frozen_fingerprint(frozen) if isinstance(frozen, nn.Module) else list(frozen or [])
         self.state: ServerState | None = None
         self.layout: ParamLayout | None = None
         self.membership: Membership | None = None
@@ -246,8 +260,9 @@ class UserLevelDP(Strategy):
             self.membership = membership
 
     def _fingerprint(self) -> list[str]:
-        """The server's model as nodes report theirs (``protocol.model_fingerprint``): names and shapes, in order."""
-        return protocol.model_fingerprint({spec.name: spec.shape for spec in self.layout.specs})
+        """The server's model as nodes report theirs (``protocol.model_fingerprint``): the trained parameters' names
+        and shapes, in order, then the frozen ones with their digests."""
+        return protocol.model_fingerprint({spec.name: spec.shape for spec in self.layout.specs}) + self.frozen
 
     def _await_nodes(self, grid: Grid, released: int) -> None:
         """Before a round (``released`` rounds so far): follow nodes that left or came back; wait up to

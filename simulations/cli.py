@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ClientApp and a small task.py (model, users' data, loss, evaluation) to edit. Then: flwr run FOLDER --stream",
     )
     new.add_argument("folder", metavar="FOLDER", help="the app's folder, e.g. my-app")
+    new.add_argument("--model", choices=("torch", "hf"), default="torch",
+                     help="task.py's model: a small torch model (default), or hf: a Hugging Face GPT-2 fine-tuned "
+                          "with a LoRA adapter (needs transformers and peft: pip install -e \".[hf]\")")
     new.set_defaults(run=_run_new)
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
@@ -300,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_new(args: argparse.Namespace) -> None:
     from fed_dp.simulations.new_app import write_app
 
-    folder = write_app(args.folder)
+    folder = write_app(args.folder, args.model)
     print(f"wrote a Flower app using fed-dp to {folder}/ (pyproject.toml, server_app.py, client_app.py, task.py, "
           f"README.md); run it with: flwr run {folder} --stream")
 

@@ -9,10 +9,13 @@ import pytest
 
 
 def pytest_configure(config):
-    """On a pytest-xdist worker, one torch thread (and one OpenMP/MKL thread for the processes it starts: Flower's
-    simulations, SuperNodes, ``fed-dp`` commands): the workers together already keep the cores busy, and two torch
+    """Hugging Face libraries never reach for the hub in tests (``HF_HUB_OFFLINE``: the HF tests build their models
+    from configs and local folders). On a pytest-xdist worker, one torch thread (and one OpenMP/MKL thread for the
+    processes it starts: Flower's simulations, SuperNodes, ``fed-dp`` commands): the workers together already keep
+    the cores busy, and two torch
     threads in each of three workers on CI's two cores spent the time switching between them. ``pytest -n 0`` keeps
     torch's default."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[variable] = "1"

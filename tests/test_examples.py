@@ -23,7 +23,7 @@ FLOWER_APP = EXAMPLES / "flower_app"
 def examples_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     yield
-    for name in ("digits", "language_model"):
+    for name in ("digits", "language_model", "fine_tune"):
         sys.modules.pop(name, None)
 
 
@@ -50,6 +50,22 @@ def test_language_model_on_the_repo_text_trains_next_token_prediction(examples_p
     vocabulary = len(task.build_model().out.bias)
     assert 1.0 < record["eval_perplexity"] < vocabulary * 1.5  # a real next-token loss, near uniform after 3 rounds
     assert record["eval_perplexity"] == pytest.approx(torch.tensor(record["eval_loss"]).exp().item(), rel=1e-6)
+
+
+def test_the_pretraining_stand_in_compares_three_arms_at_the_same_epsilon(examples_path, capsys):
+    """examples/fine_tune.py at a tiny size (docs/tutorials/fine-tune.md measured it at full size): LoRA on the
+    pretrained model, the pretrained model in full and the model from scratch, each at the same ε, with the trainable
+    counts of the architecture (LoRA r = 8 on c_attn 64 → 192 and c_fc 64 → 256 in 2 layers; the full GPT-2 2×64
+    with a 64-token vocabulary and 1,024 positions)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    fine_tune = importlib.import_module("fine_tune")
+    results = fine_tune.main(users=20, rounds=2, pretrain_steps=3, public_sequences=128)
+    full = 64 * 64 + 1024 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
+    assert [r["trainable"] for r in results.values()] == [2 * 8 * ((64 + 192) + (64 + 256)), full, full]
+    epsilons = {r["epsilon"] for r in results.values()}
+    assert len(epsilons) == 1 and 0 < epsilons.pop() <= 3.0
+    assert "pre-trained without privacy" in capsys.readouterr().out
 
 
 def test_the_flower_apps_task_trains_in_process_through_the_cli(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from fed_dp.validation import check_int, check_positive
 
 #: The sections, in the order they run (docstring of ``fed_dp.simulations.benchmark.command``).
-SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users", "paths")
+SECTIONS = ("w1", "scaling", "noise", "secure-noise", "accounting", "gpu", "deployment", "small-users", "paths",
+            "finetune")
 #: The engine's training paths (``LocalTrainer``'s ``training``) in the small-users section: its own choice, or one
 #: forced.
 TRAINING = ("auto", "sequential", "vectorized")
@@ -68,4 +69,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     _small_users_arguments(parser)
     parser.add_argument("--paths-rounds", type=int, default=4, metavar="R",
                         help="paths: rounds per workload and path, the first left out as warm-up (default 4)")
+    parser.add_argument("--finetune-rounds", type=_count_at_least(2), default=4, metavar="R",
+                        help="finetune: rounds of each private and non-private run (two of each, alternating), the "
+                             "first of every run left out as warm-up (default 4)")
     return parser

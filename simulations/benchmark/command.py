@@ -1,6 +1,6 @@
 """``fed-dp benchmark``: the workloads of docs/explanation/benchmarks.md, measured side by side in one invocation.
 
-    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users,paths] [--smoke]
+    fed-dp benchmark [--runs 3] [--out DIR] [--only w1,scaling,noise,accounting,gpu,small-users,paths,finetune] [--smoke]
 
 Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`` with a figure
 ``DIR/benchmark.png``):
@@ -62,6 +62,12 @@ Sections (each prints a table; everything is also saved to ``DIR/benchmark.json`
     Whether ``client.training = "auto"`` takes the fastest training path (``benchmark.paths``): small users of a
     linear model, the W1 CNN and a next-token model, with one and with several local steps, each run with auto,
     vectorized and sequential; the fastest round of each and auto over the fastest. ``--paths-rounds`` sizes it.
+``finetune``
+    Fine-tuning under user-level DP (``benchmark.finetune``, needs the hf part): GPT-2 models from 2 layers to
+    GPT-2-small with LoRA r = 8, and a small one trained in full, private against non-private with the same users
+    and seeds, alternating: the trainable count, seconds per user, their ratio, the training path, the peak memory
+    and the bytes per user on the wire against the full model's. On CUDA when there is one, else the CPU with one
+    torch thread. ``--finetune-rounds`` sizes it.
 ``gpu`` (only with CUDA)
     W1's data scaled to 10,000 users and 1,000 per round on ``cuda``, with W1's CNN and the seeds' CIFAR CNN:
     users/s of the engine's vectorized path against the hardware's practical limit for the same work (one
@@ -214,6 +220,16 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
                                                        rounds=2 if args.smoke else args.paths_rounds, log=log)
         section("training paths: the automatic choice against each path (CPU, one torch thread)",
                 benchmark_paths.format_paths(results["paths"]))
+    if "finetune" in sections:
+        from fed_dp.simulations.benchmark import finetune as benchmark_finetune
+
+        log("measuring fine-tuning ...")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        results["finetune"] = benchmark_finetune.bench_finetune(
+            benchmark_finetune.workloads(smoke=bool(args.smoke)), rounds=2 if args.smoke else args.finetune_rounds,
+            device=device, log=log)
+        section(f"fine-tuning: private against non-private, the same users ({device})",
+                benchmark_finetune.format_finetune(results["finetune"]))
     (out / "benchmark.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "benchmark.txt").write_text("\n".join(printed) + "\n")
     figure = plot(results, out / "benchmark.png")

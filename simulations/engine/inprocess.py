@@ -149,7 +149,8 @@ def train(
             run_seed = share_seed(workers, run_seed)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
         model, layout, params = initial_model(task, run_seed)
-        trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size)
+        # built from the same seed: its frozen parameters are the initial model's
+        trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size, seed=run_seed)
         if workers is not None and not workers.leader:
             served = serve_rounds(workers, trainer, params, client_seed)
             return _worker_result(workers, model, layout, served)

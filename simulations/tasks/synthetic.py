@@ -38,6 +38,8 @@ __all__ = [
     "heavy_tail_class_sizes",
     "heavy_tail_data",
     "heavy_tail_mixture",
+    "markov_chain",
+    "markov_sequences",
     "sparse_logistic_1d",
     "stackoverflow_like_user",
     "truncated_zipf",
@@ -304,3 +306,42 @@ def stackoverflow_like_user(
     token_cdf = truncated_zipf(vocabulary, tokens_exponent)
     tokens = torch.searchsorted(token_cdf, torch.rand(n, length, generator=gen, dtype=torch.float64))
     return (tokens.clamp_(max=vocabulary - 1),)
+
+
+def markov_chain(vocab: int, *, successors: int = 4, seed: int = 0, shift: float = 0.0,
+                 shift_seed: int = 1) -> torch.Tensor:
+    """The (vocab, vocab) transition matrix of a sparse first-order Markov language: every token is followed by one
+    of ``successors`` tokens drawn uniformly (seeded by ``seed``), with probabilities ∝ 1, 1/2, 1/3, … (a Zipf law
+    over its successors). With ``shift`` > 0, a ``shift`` fraction of the rows (chosen and redrawn with
+    ``shift_seed``) get other successors: a related language (a domain shift from the first), for the pre-training
+    stand-in of docs/tutorials/fine-tune.md (public text from one language, users' text from the shifted one)."""
+    vocab = check_int("vocab", vocab, minimum=2)
+    successors = check_int("successors", successors, minimum=1)
+    if not 0.0 <= shift <= 1.0:
+        raise ValueError(f"shift must be in [0, 1], got {shift!r}")
+    weights = 1.0 / torch.arange(1, successors + 1, dtype=torch.float64)
+
+    def rows(generator: torch.Generator, count: int) -> torch.Tensor:
+        out = torch.zeros(count, vocab, dtype=torch.float64)
+        for row in out:
+            row[torch.randperm(vocab, generator=generator)[:successors]] = weights
+        return out / out.sum(1, keepdim=True)
+
+    matrix = rows(_generator(seed), vocab)
+    if shift > 0:
+        generator = _generator(shift_seed)
+        changed = torch.randperm(vocab, generator=generator)[: round(shift * vocab)]
+        matrix[changed] = rows(generator, changed.numel())
+    return matrix
+
+
+def markov_sequences(matrix: torch.Tensor, count: int, length: int, *, seed: int) -> torch.Tensor:
+    """(count, length) int64 token sequences of the Markov language ``matrix`` (:func:`markov_chain`): the first
+    token uniform, each next one drawn from its row, seeded by ``seed``."""
+    count, length = check_int("count", count, minimum=0), check_int("length", length, minimum=1)
+    generator = _generator(seed)
+    tokens = torch.empty(count, length, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(0, matrix.shape[0], (count,), generator=generator)
+    for position in range(1, length):
+        tokens[:, position] = torch.multinomial(matrix[tokens[:, position - 1]], 1, generator=generator).squeeze(1)
+    return tokens

@@ -36,9 +36,12 @@ def _server_seed(run_config: dict[str, Any]) -> dict[str, str]:
 
 def start(home: Path, run_config: dict[str, Any], supernodes: int, **options: Any) -> subprocess.Popen:
     options.setdefault("client_cpus", CLIENT_CPUS)
-    return local_simulation.start(home, run_config, supernodes, environment=_server_seed(run_config), **options)
+    environment = {**_server_seed(run_config), **options.pop("environment", {})}
+    return local_simulation.start(home, run_config, supernodes, environment=environment, **options)
 
 
 def run(home: Path, run_config: dict[str, Any], supernodes: int, **options: Any) -> str:
+    """``environment``, if given: more variables for the Flower processes (beside ``FED_DP_SERVER_SEED``)."""
     options.setdefault("client_cpus", CLIENT_CPUS)
-    return local_simulation.run(home, run_config, supernodes, environment=_server_seed(run_config), **options)
+    environment = {**_server_seed(run_config), **options.pop("environment", {})}
+    return local_simulation.run(home, run_config, supernodes, environment=environment, **options)

@@ -96,6 +96,30 @@ def test_w1_through_flower_equals_the_fast_engine_with_the_same_seeds(tmp_path):
     assert (flower_params - initial).norm() > 1e-3  # training and noise moved the model
 
 
+def test_frozen_parameters_stay_on_the_nodes_and_the_run_equals_the_fast_engine(tmp_path):
+    """Issue 38: a model with frozen parameters (requires_grad=False, initialized from run.seed on every process)
+    through `flwr run`: the checkpoint holds the trainable part only, the nodes trained with the server's frozen
+    part (the final model equals the in-process engine's, whose frozen part is bit-identical to the initial model's,
+    tests/clients/test_frozen.py) and the server's evaluation used it too (the same final metrics)."""
+    from frozen_task import REFERENCE, frozen_task
+
+    out = tmp_path / "ckpt"
+    config = {"task.ref": REFERENCE, "privacy.expected-cohort": 6, "privacy.rounds": 2, "privacy.accountant": "rdp",
+              "local.batch-size": 2, "run.seed": 4, "server.checkpoint-dir": str(out)}
+    here = str(flower_run.REPO / "tests" / "server")
+    log = flower_run.run(tmp_path / "home", config, supernodes=2,
+                         environment={"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))})
+    assert "2 SuperNode(s) host 24 of the 24 users" in log, log[-3000:]
+    run = RunConfig.from_flat(config)
+    engine = train(frozen_task(), resolve_privacy(run.privacy, 24), run.optimizer.build(), run.local, seed=4, device="cpu")
+    flower_params = load_checkpoint(out)["state"]["params"]
+    assert flower_params.shape == engine.params.shape == (10 * 16 + 3 * 16 + 3,)
+    torch.testing.assert_close(flower_params, engine.params, rtol=1e-5, atol=1e-6)
+    final = _results(out)[-1]
+    assert final["round"] == 2
+    assert final["eval_loss"] == pytest.approx(engine.records[-1]["eval_loss"], rel=1e-5)
+
+
 def test_kill_and_resume_reaches_the_same_model_with_a_continued_ledger(tmp_path):
     rounds = 60  # rounds take ~0.1 s once warm: enough of them to stop the run in the middle
     base = {**RUN, "privacy.rounds": rounds, "privacy.accountant": "rdp", "run.eval-every": 0}

@@ -51,7 +51,8 @@ def test_unknown_section_is_a_clear_error(tmp_path, capsys):
 #: `fed-dp benchmark --smoke` in three parts, so that the parts needing Flower's simulation engine or real
 #: deployment processes run with their test groups (tests/conftest.py) and the rest anywhere; together every section.
 SMOKE_PARTS = {"w1": ("w1",), "deployment": ("deployment",),
-               "rest": ("scaling", "noise", "secure-noise", "accounting", "gpu", "small-users", "paths")}
+               "rest": ("scaling", "noise", "secure-noise", "accounting", "gpu", "small-users", "paths"),
+               "finetune": ("finetune",)}
 
 
 def _smoke(tmp_path, part: str) -> tuple[dict, str]:
@@ -101,6 +102,23 @@ def test_smoke_run_measures_deployment_rounds(tmp_path):
     assert deployment["service_ratio_to_echo"] == pytest.approx(
         deployment["fed_dp_service_median"] / deployment["echo_median"])
     assert "deployment rounds" in text
+
+
+def test_smoke_run_measures_fine_tuning_private_against_non_private(tmp_path):
+    """`fed-dp benchmark --smoke --only finetune` (issue 38 item 3): LoRA GPT-2s, private and non-private rounds of the
+    same users side by side; d is LoRA's (r = 8 on c_attn: 2 layers × 8 × (h + 3h)), and the bytes on the wire are
+    the trainable part's, each way, not the full model's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    results, text = _smoke(tmp_path, "finetune")
+    rows = results["finetune"]
+    assert [row["trainable"] for row in rows] == [2 * 8 * 4 * 64, 2 * 8 * 4 * 128]
+    for row in rows:
+        assert row["path"] == "one-step" and row["total"] > 10 * row["trainable"]
+        assert row["ratio"] == pytest.approx(row["private_per_user"] / row["nonprivate_per_user"])
+        assert 2 * 4 * row["trainable"] <= row["wire_bytes"] < 2 * 4 * row["trainable"] + 4096  # + array headers
+        assert 2 * 4 * row["total"] <= row["wire_full_bytes"]
+    assert "private / non-private" in text
 
 
 def test_smoke_run_measures_every_other_section(tmp_path):

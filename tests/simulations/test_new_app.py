@@ -92,3 +92,33 @@ def test_the_template_learns_its_example_task_at_its_own_settings(tmp_path, monk
     first, last = result.records[0]["eval_accuracy"], result.records[-1]["eval_accuracy"]
     assert last > first + 0.2 and last > 0.55, (first, last)
     sys.modules.pop("task", None)
+
+
+def test_the_hf_template_fine_tunes_a_lora_adapter_and_learns_at_its_own_settings(tmp_path, monkeypatch, capsys):
+    """`fed-dp new FOLDER --model hf` (issue 38 item 4): task.py is a Hugging Face GPT-2 with a peft LoRA adapter;
+    only the adapter is trainable, the pyproject lists task.pretrained, and at the app's own settings the held-out
+    next-token accuracy rises."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from fed_dp.clients.task import frozen_parameters, trainable_parameters
+    from fed_dp.simulations.engine.inprocess import train
+
+    app = tmp_path / "hf-app"
+    assert main(["new", str(app), "--model", "hf"]) == 0
+    tables = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert tables["task"] == {"ref": "task:make_task", "root": "", "users": "", "pretrained": ""}
+    assert "frozen=model" in (app / "server_app.py").read_text()
+    run = RunConfig.from_tables({**tables, "run": {**tables["run"], "seed": 0}})
+    monkeypatch.syspath_prepend(str(app))
+    from task import make_task
+
+    task = make_task()
+    model = task.build_model()
+    trained = list(trainable_parameters(model))
+    assert trained and all("lora_" in name or ".lm_head.modules_to_save." in name for name in trained), trained
+    assert "model.base_model.model.transformer.wte.weight" in frozen_parameters(model)
+    result = train(task, resolve_privacy(run.privacy, task.num_users), run.optimizer.build(), run.local, seed=0,
+                   eval_every=run.privacy.rounds, device="cpu")
+    first, last = result.records[0]["eval_accuracy"], result.records[-1]["eval_accuracy"]
+    assert last > first + 0.3, (first, last)
+    sys.modules.pop("task", None)

@@ -100,13 +100,14 @@ def test_missing_data_folder_says_what_to_put_where(tmp_path):
 def test_every_built_in_task_name_is_a_factory_of_the_tasks_package():
     """The tasks package owns the table of short names (pyproject.toml's entry-point group fed_dp.tasks); the
     core reads it from the installed metadata. Every name loads to a factory of ``tasks.builtin``."""
-    from fed_dp.simulations.tasks import builtin
+    from fed_dp.simulations.tasks import builtin, hf
 
     ours = {name: target for name, target in registered_tasks().items() if target.startswith("fed_dp.")}
-    assert len(ours) == 14
+    assert len(ours) == 20
     for name, target in ours.items():
         module, _, factory = target.partition(":")
-        assert module == builtin.__name__ and callable(getattr(builtin, factory)), name
+        owner = hf if name.startswith("hf-") else builtin  # hf-*: the Hugging Face tasks (the optional hf part)
+        assert module == owner.__name__ and callable(getattr(owner, factory)), name
 
 
 def test_unknown_task_or_parameter_is_a_clear_error():
