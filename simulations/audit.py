@@ -404,7 +404,8 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
                                                    step=canary_norm * privacy.clip_norm / local.lr,
                                                    offset=real_layout.size)
             _, layout, params = initial_model(canary_task, seed)  # θ_0 of the task's model, then W = 0
-            canary_trainer = LocalTrainer(canary_task, local, device=device, training=training, chunk_size=chunk_size)
+            canary_trainer = LocalTrainer(canary_task, local, device=device, training=training, chunk_size=chunk_size,
+                                          seed=seed)  # frozen parameters as initial_model built them
         else:
             layout, params = real_layout, real_params
             if layout.size < 2 * canaries:
@@ -414,7 +415,7 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
             space = CanarySpace.of(0, _canary_directions(canaries, layout.size, derive_seed(seed, "canaries")))
         extra = layout.size - real_layout.size  # the probe's coordinates (0 for injected canaries)
         trainer = None if mechanism_only else LocalTrainer(task, local, device=device, training=training,
-                                                           chunk_size=chunk_size)
+                                                           chunk_size=chunk_size, seed=seed)
         state = init_server(privacy, optimizer, params, seed=seed)
         audited = AuditPrivatizer(state.privatizer, noise_scale, space, privacy.clip_norm)
         state.privatizer = audited
