@@ -2,8 +2,10 @@
 
     <folder>/checkpoint.json            the commit record: which round is saved, and its two files
     <folder>/checkpoint-<round>.pt      publishable: model, optimizer state, ε ledger, ζ_t, engine records
+                                        and the run's description a resume must match (``fed_dp.run_setup``)
                                         (<round>: t, the rounds released, 000001 after the first)
     <folder>/published.json             the last round handed out (t) and its record as published
+    <folder>/run.lock                   the lock of the run that owns the folder (``fed_dp.folder_lock``)
     <folder>/secret/                    mode 0700, files mode 0600: never publish or send anywhere
         noise-<round>.pt                the noise stream (source state, BandMF buffer), the sampler (every
                                         cohort), the clip-bit noise; whoever holds it can remove the noise;
@@ -24,6 +26,10 @@ No lost or damaged file can make a run start afresh and spend the budget again: 
 each part's SHA-256, checked on load (a damaged, truncated or missing part is an error naming the file); files
 of a committed round without ``checkpoint.json`` refuse to start. When a run starts it removes the temporary
 files (``<name>.<random>.tmp``) that writes interrupted by a crash left.
+
+A damaged ``checkpoint.json`` or ``published.json`` is an error naming the file and what to do; a torn last line of
+``secret/diagnostics.jsonl`` (a process killed during its append) is cut off when a run starts
+(:func:`repair_diagnostics`).
 
 Rounds are numbered t = 1 … T everywhere (file names, records, the ledger, ``published.json``); checkpoints of
 version 3, whose records and ledger counted from 0, are refused with a message saying so (:data:`OLDER_VERSIONS`).

@@ -82,8 +82,7 @@ def owning(folder: str | os.PathLike) -> Iterator[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         handle = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as error:
-        raise ValueError(f"the checkpoint folder {folder} cannot be used: {error.strerror} ({error.filename}). Give a "
-                         "folder this process can create and write (server.checkpoint-dir, checkpoint_dir)") from error
+        raise _unusable(folder, error) from error
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,9 +94,19 @@ def owning(folder: str | os.PathLike) -> Iterator[Path]:
                              "folder on a local file system (server.checkpoint-dir, checkpoint_dir)") from error
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "program": Path(sys.argv[0]).name or "python",
                   "started": time.time()}
-        os.ftruncate(handle, 0)
-        os.pwrite(handle, json.dumps(holder).encode("utf-8"), 0)
+        try:
+            os.ftruncate(handle, 0)
+            os.pwrite(handle, json.dumps(holder).encode("utf-8"), 0)
+        except OSError as error:  # a full disk, before anything of the run
+            raise _unusable(folder, error) from error
         yield folder
     finally:
         os.close(handle)  # closing the last descriptor of the open file releases the flock
+
+
+def _unusable(folder: Path, error: OSError) -> ValueError:
+    """The error of a checkpoint folder that cannot be created or written (read-only, a full disk)."""
+    return ValueError(f"the checkpoint folder {folder} cannot be used: {error.strerror} ({error.filename or folder}). "
+                      "Give a folder this process can create and write, on a disk with free space "
+                      "(server.checkpoint-dir, checkpoint_dir)")
 

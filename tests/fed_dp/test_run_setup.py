@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.checkpoint import load_checkpoint, recorded_run
 from fed_dp.clients import evaluation, losses
 from fed_dp.clients.task import Task, Users
@@ -62,6 +63,9 @@ CHANGES = [
     ({"task": _task(width=7)}, ["the model: recorded 4 parameter tensors, now 4", "recorded 0.weight:5x5, now 0.weight:7x5"]),
     ({"seed": 4, "local": LocalTraining(batch_size=4, lr=0.5)}, ["local.batch-size: recorded 2, now 4",
                                                                  "run.seed: recorded 3, now 4"]),
+    ({"adaptive_clipping": AdaptiveClipConfig(bit_noise_std=5.0, initial_clip_norm=1.0)},
+     ["adaptive: recorded off; now target_quantile=0.5"]),
+    ({"seed": None, "noise_source": "secure"}, ["server.noise-source: recorded 'torch', now 'secure'"]),
 ]
 
 
