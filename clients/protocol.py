@@ -40,7 +40,6 @@ shapes, NaN/Inf, impossible counts); the server then counts that node's users as
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from torch import nn
 
-from fed_dp.clients.task import frozen_parameters, trainable_parameters
+from fed_dp.clients.task import frozen_fingerprint, model_fingerprint  # noqa: F401 (the protocol's names)
 from fed_dp.contribution import Contribution, RoundPlan
 
 PROTOCOL = 1
@@ -94,31 +93,6 @@ class VirtualNodeUsers(tuple):
         users = super().__new__(cls, range(num_users))
         users.nodes = nodes
         return users
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """16 hex digits of BLAKE2b over a tensor's bytes (its values, in row-major order): equal exactly when the
-    bytes are equal, but for a collision (probability about 2⁻⁶⁴ for two different tensors)."""
-    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
-
-
-def frozen_fingerprint(model: nn.Module) -> list[str]:
-    """``["name:d0xd1x...:frozen:<digest>", ...]``: the frozen parameters of ``model`` (``requires_grad=False``,
-    ``fed_dp.clients.task.frozen_parameters``), each with a digest of its values. They are never sent; these
-    entries let the server check, before round 1, that a node built the same ones."""
-    return [f"{name}:{'x'.join(str(int(n)) for n in p.shape)}:frozen:{_digest(p)}"
-            for name, p in frozen_parameters(model).items()]
-
-
-def model_fingerprint(model: nn.Module | Mapping[str, torch.Tensor | Sequence[int]]) -> list[str]:
-    """``["name:d0xd1x...", ...]``: the names and shapes of a model's trained parameters, in order, then its frozen
-    parameters (:func:`frozen_fingerprint`): for a module, its trainable ``named_parameters()`` (those with
-    ``requires_grad``) and its frozen ones; for a mapping of name → tensor (or shape), every entry as trained. A
-    scalar's shape is empty (``"name:"``)."""
-    if isinstance(model, nn.Module):
-        return model_fingerprint(trainable_parameters(model)) + frozen_fingerprint(model)
-    return [f"{name}:{'x'.join(str(int(n)) for n in getattr(value, 'shape', value))}" for name, value in model.items()]
 
 
 def _parse_entry(entry: str) -> tuple[str, str, str | None]:

@@ -24,6 +24,7 @@ examples, a factory that does not return a ``torch.nn.Module``, a task reference
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -40,8 +41,9 @@ Batch = Union[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
 Loss = Callable[[nn.Module, Batch], torch.Tensor]
 Evaluation = Callable[[nn.Module], Mapping[str, float]]
 
-__all__ = ["Batch", "Evaluation", "Examples", "Loss", "Task", "Users", "build_task", "check_model", "frozen_parameters",
-           "initial_model", "load_task", "seeded_model", "trainable_layout", "trainable_parameters"]
+__all__ = ["Batch", "Evaluation", "Examples", "Loss", "Task", "Users", "build_task", "check_model", "frozen_fingerprint",
+           "frozen_parameters", "initial_model", "load_task", "model_fingerprint", "seeded_model", "trainable_layout",
+           "trainable_parameters"]
 
 
 def _tensor(value: Any, where: str) -> torch.Tensor:
@@ -308,6 +310,32 @@ def frozen_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     task's model factory (pretrained weights loaded from a local folder, or initialized from ``run.seed``), and a
     node whose frozen part differs from the server's is refused before round 1 (``fed_dp.query_reply``)."""
     return {name: p for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """16 hex digits of BLAKE2b over a tensor's bytes (its values, in row-major order): equal exactly when the
+    bytes are equal, but for a collision (probability about 2⁻⁶⁴ for two different tensors)."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
+
+
+def frozen_fingerprint(model: nn.Module) -> list[str]:
+    """``["name:d0xd1x...:frozen:<digest>", ...]``: the frozen parameters of ``model`` (``requires_grad=False``,
+    :func:`frozen_parameters`), each with a digest of its values. They are never sent; these
+    entries let the server check, before round 1, that a node built the same ones (``fed_dp.clients.protocol``),
+    and a resumed run that it builds the model it checkpointed (``fed_dp.run_setup``)."""
+    return [f"{name}:{'x'.join(str(int(n)) for n in p.shape)}:frozen:{_digest(p)}"
+            for name, p in frozen_parameters(model).items()]
+
+
+def model_fingerprint(model: nn.Module | Mapping[str, torch.Tensor | Sequence[int]]) -> list[str]:
+    """``["name:d0xd1x...", ...]``: the names and shapes of a model's trained parameters, in order, then its frozen
+    parameters (:func:`frozen_fingerprint`): for a module, its trainable ``named_parameters()`` (those with
+    ``requires_grad``) and its frozen ones; for a mapping of name → tensor (or shape), every entry as trained. A
+    scalar's shape is empty (``"name:"``)."""
+    if isinstance(model, nn.Module):
+        return model_fingerprint(trainable_parameters(model)) + frozen_fingerprint(model)
+    return [f"{name}:{'x'.join(str(int(n)) for n in getattr(value, 'shape', value))}" for name, value in model.items()]
 
 
 def trainable_layout(model: nn.Module) -> tuple[ParamLayout, torch.Tensor]:

@@ -7,6 +7,7 @@ The public API, importable from here (loaded on first use, so ``import fed_dp`` 
     Bring your task                Task, Users, Examples, losses, evaluation, load_task
     Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer
     Simulate in this process       train -> TrainResult (TrainingStopped, with .result, when a user fails)
+    Checkpoint folders             FolderInUseError (another run owns it), CheckpointWriteError (a write failed)
     Run on Flower (server side)    UserLevelDP (a flwr Strategy), model_arrays, centralized_evaluation
     Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users
     Account                        epsilon, epsilon_schedule, calibrate_noise_multiplier, resolve_privacy
@@ -43,6 +44,9 @@ Core modules (docs/explanation/mechanism.md):
     round_loop         the one round loop of every engine: budget, checkpoints, evaluation, results.json
     records            the keys of a round's record (the docs' table is generated from them)
     checkpoint         atomic checkpoints of the server state and resuming from them
+    folder_lock        one run per checkpoint folder: a lock the system releases when its holder dies
+    run_setup          what a checkpoint records of its run (optimizer, local training, seed, model) and a resume
+                       may not change
     randomness         OS entropy, independent derived seeds, the Gaussian noise sources
     audit              the statistics of the one-run privacy audit (ε estimate and lower bound)
     cli                the accounting commands of fed-dp (epsilon, calibrate)
@@ -77,6 +81,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "train": ("fed_dp.simulations.engine.inprocess", "train"),
     "TrainResult": ("fed_dp.simulations.engine.inprocess", "TrainResult"),
     "TrainingStopped": ("fed_dp.round_loop", "TrainingStopped"),
+    "CheckpointWriteError": ("fed_dp.round_loop", "CheckpointWriteError"),
+    "FolderInUseError": ("fed_dp.folder_lock", "FolderInUseError"),
     "UserLevelDP": ("fed_dp.server.flower_strategy", "UserLevelDP"),
     "DPResult": ("fed_dp.server.flower_strategy", "DPResult"),
     "model_arrays": ("fed_dp.server.flower_strategy", "model_arrays"),

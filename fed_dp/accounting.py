@@ -286,6 +286,36 @@ def checked_epsilon(config: PrivacyConfig) -> float:
     return epsilon(config)
 
 
+#: From this many rounds on, an ε schedule takes minutes to compute (RDP: about 70 µs a round on a 2-core machine;
+#: PLD's exact rounds grow costlier with T): :func:`accounting_note` says so before it is computed.
+LONG_ROUNDS = 100_000
+#: Memory of a schedule per round (a float and its slot in the list, then in the tuple) and the most a schedule may
+#: take: beyond, :func:`compute_epsilon_schedule` refuses the plan before computing it.
+SCHEDULE_BYTES_PER_ROUND = 40
+MAX_SCHEDULE_BYTES = MAX_PLD_BYTES
+
+
+def accounting_note(config: PrivacyConfig) -> str | None:
+    """What to say before computing the ε schedule of ``config`` when it has :data:`LONG_ROUNDS` rounds or more
+    (that it can take minutes); None for a shorter plan."""
+    if config.rounds < LONG_ROUNDS:
+        return None
+    return f"accounting {config.rounds:,} rounds with {config.accountant} can take minutes"
+
+
+def _check_schedule_size(config: PrivacyConfig) -> None:
+    """Refuse (ValueError naming privacy.rounds) a plan whose schedule of one ε per round would not fit in
+    :data:`MAX_SCHEDULE_BYTES`: ``rounds = 1e9`` would fill the memory after hours of accounting."""
+    need = config.rounds * SCHEDULE_BYTES_PER_ROUND
+    if need > MAX_SCHEDULE_BYTES:
+        raise ValueError(
+            f"rounds (privacy.rounds) = {config.rounds:,}: the ledger's ε schedule holds one value per round, "
+            f"{need / 2**30:.0f} GB for this plan (limit {MAX_SCHEDULE_BYTES / 2**30:.0f} GB, "
+            f"{MAX_SCHEDULE_BYTES // SCHEDULE_BYTES_PER_ROUND:,} rounds), and accounting it would take hours. "
+            "Plan the rounds the run will really take (federated runs take 10² … 10⁵); an ε budget "
+            "(privacy.epsilon-budget) stops a run early if needed")
+
+
 @functools.lru_cache(maxsize=64)
 def epsilon_schedule(config: PrivacyConfig) -> EpsilonSchedule:
     """ε after every round 1 … T of ``config`` (memoized per config); see :func:`compute_epsilon_schedule`."""
@@ -302,6 +332,7 @@ def compute_epsilon_schedule(config: PrivacyConfig, progress: Progress | None = 
     composition would need more than MAX_PLD_BYTES of memory is refused (ValueError) before any is computed.
     """
     config.require_resolved("the ε schedule")
+    _check_schedule_size(config)
     rounds = config.rounds
     if config.noise_multiplier == 0:  # the non-private baseline: ε is infinite after every round
         return EpsilonSchedule(config.accountant, config.delta, (math.inf,) * rounds, tuple(range(1, rounds + 1)))

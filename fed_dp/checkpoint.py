@@ -2,8 +2,10 @@
 
     <folder>/checkpoint.json            the commit record: which round is saved, and its two files
     <folder>/checkpoint-<round>.pt      publishable: model, optimizer state, ε ledger, ζ_t, engine records
+                                        and the run's description a resume must match (``fed_dp.run_setup``)
                                         (<round>: t, the rounds released, 000001 after the first)
     <folder>/published.json             the last round handed out (t) and its record as published
+    <folder>/run.lock                   the lock of the run that owns the folder (``fed_dp.folder_lock``)
     <folder>/secret/                    mode 0700, files mode 0600: never publish or send anywhere
         noise-<round>.pt                the noise stream (source state, BandMF buffer), the sampler (every
                                         cohort), the clip-bit noise; whoever holds it can remove the noise;
@@ -25,6 +27,10 @@ each part's SHA-256, checked on load (a damaged, truncated or missing part is an
 of a committed round without ``checkpoint.json`` refuse to start. When a run starts it removes the temporary
 files (``<name>.<random>.tmp``) that writes interrupted by a crash left.
 
+A damaged ``checkpoint.json`` or ``published.json`` is an error naming the file and what to do; a torn last line of
+``secret/diagnostics.jsonl`` (a process killed during its append) is cut off when a run starts
+(:func:`repair_diagnostics`).
+
 Rounds are numbered t = 1 … T everywhere (file names, records, the ledger, ``published.json``); checkpoints of
 version 3, whose records and ledger counted from 0, are refused with a message saying so (:data:`OLDER_VERSIONS`).
 """
@@ -41,7 +47,10 @@ from typing import Any
 import torch
 
 from fed_dp.atomic import remove_temporaries, write_atomically
+from fed_dp.config import PrivacyConfig
+from fed_dp.folder_lock import owning
 from fed_dp.round import ServerState
+from fed_dp.run_setup import SETUP_KEY, check_resume
 
 COMMIT_NAME = "checkpoint.json"
 PUBLISHED_NAME = "published.json"
@@ -131,8 +140,10 @@ def _commit(folder: Path) -> dict[str, Any] | None:
         return None
     try:
         commit = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        commit = None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is damaged ({error}): it records which round is committed. Restore it from a backup "
+                         "of the folder; do not start afresh, which would spend the privacy budget again and forget "
+                         "the rounds already released") from error
     if isinstance(commit, dict) and commit.get("format") == FORMAT and commit.get("version") in OLDER_VERSIONS:
         raise ValueError(_older(path, commit["version"]))
     if not isinstance(commit, dict) or commit.get("format") != FORMAT or commit.get("version") != VERSION \
@@ -188,8 +199,11 @@ def resume(state: ServerState, folder: str | os.PathLike) -> dict[str, Any] | No
     return None if restored is None else restored[0]
 
 
-def resume_with_secret(state: ServerState, folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def resume_with_secret(state: ServerState, folder: str | os.PathLike, setup: dict[str, Any] | None = None
+                       ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """:func:`resume`, returning the public ``extra`` and the ``secret_extra`` of the committed checkpoint.
+    ``setup``: the new run's description (``fed_dp.run_setup.describe_run``), compared with the recorded one
+    together with the privacy configuration before anything is restored (``fed_dp.run_setup.check_resume``).
 
     Called when a run starts: it first removes the temporary files of writes that a crash interrupted."""
     folder = Path(folder)
@@ -198,8 +212,26 @@ def resume_with_secret(state: ServerState, folder: str | os.PathLike) -> tuple[d
     if commit is None:
         return None
     public, secret = _load(folder, commit, "public"), _load(folder, commit, "secret")
+    check_resume(folder, PrivacyConfig(**public["state"]["ledger"]["config"]), public["extra"].get(SETUP_KEY),
+                 state.config, setup)
     state.load_state_dict(public["state"], secret["secret"])
     return public["extra"], secret.get("extra", {})
+
+
+def recorded_run(folder: str | os.PathLike) -> tuple[PrivacyConfig, dict[str, Any] | None] | None:
+    """The privacy configuration and the description (``fed_dp.run_setup``; None in a checkpoint written before
+    descriptions were recorded) of the run committed in ``folder``, or None when it holds no checkpoint: what an
+    engine reads before it builds the model (the seed an unseeded run drew, to resume with it) and an experiment
+    runner before it writes anything. Read while owning the folder (``fed_dp.folder_lock``), so that a run writing
+    it is named (``FolderInUseError``) instead of being read half-way."""
+    folder = Path(folder)
+    if not (folder / COMMIT_NAME).exists():
+        return None
+    with owning(folder):
+        saved = load_checkpoint(folder)
+    if saved is None:
+        return None
+    return PrivacyConfig(**saved["state"]["ledger"]["config"]), saved["extra"].get(SETUP_KEY)
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
@@ -224,7 +256,20 @@ def read_published(folder: str | os.PathLike) -> dict[str, Any] | None:
     round twice, and restores the evaluation of the round published last, which the commit of that round does
     not hold (it is evaluated after its commit)."""
     path = Path(folder) / PUBLISHED_NAME
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        published = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        published = error
+    if not (isinstance(published, dict) and isinstance(published.get("round"), int)
+            and isinstance(published.get("record"), dict)):
+        reason = f"not valid JSON: {published}" if isinstance(published, Exception) else "not a record of a round"
+        raise ValueError(
+            f"{path} is damaged ({reason}). It records the last round handed out, with its evaluation. Restore it "
+            f"from a backup of the folder, or delete it to resume: the last committed round is then evaluated and "
+            "handed out again (the same released model: no privacy budget is spent)")
+    return published
 
 
 def append_diagnostics(folder: str | os.PathLike, record: dict[str, Any]) -> None:
@@ -245,8 +290,39 @@ def operator_log_file(folder: str | os.PathLike) -> Path:
 
 def read_diagnostics(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """The operator diagnostics written so far (one record per round; a resumed run may repeat a round that
-    crashed before its commit, the last record of a round is the one that was committed)."""
+    crashed before its commit, the last record of a round is the one that was committed). A last line without
+    its end of line is a torn append (the process died while writing it) and is left out; any other line that is
+    not a JSON record is an error naming the file and the line."""
     path = Path(folder) / SECRET_FOLDER / DIAGNOSTICS_NAME
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")[:-1]  # the part after the last end of line is a torn append, or empty
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {number}, is not a JSON record of a round: the file is damaged. It is "
+                             "the operator's record of past rounds and a run does not need it: move it aside (or cut "
+                             "the line) to resume, the committed round's diagnostics are written again")
+        records.append(record)
+    return records
+
+
+def repair_diagnostics(folder: str | os.PathLike) -> bool:
+    """Cut a torn last line (an append the process died in) off ``secret/diagnostics.jsonl``, so that the next
+    append starts a line of its own; True when there was one. Only when a run starts, before it appends."""
+    path = Path(folder) / SECRET_FOLDER / DIAGNOSTICS_NAME
+    if not path.exists():
+        return False
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    with open(path, "r+b") as handle:
+        handle.truncate(data.rfind(b"\n") + 1)
+    return True

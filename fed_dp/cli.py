@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fed_dp.atomic import WriteError
 from fed_dp.config import ACCOUNTANTS, NOISES, SAMPLERS, WORKLOADS, PrivacyConfig
 from fed_dp.schema import keys_of
 
@@ -150,8 +151,6 @@ def _schedule_note(exact_rounds: Sequence[int], rounds: int) -> str:
 
 #: Long accounting prints a line on stderr at most this often (seconds), the first one after this long.
 PROGRESS_SECONDS = 10.0
-#: From this many rounds on, ``fed-dp epsilon`` says on stderr at the start that the accounting can take minutes.
-LONG_ROUNDS = 100_000
 
 
 class _Progress:
@@ -188,7 +187,7 @@ def _warn_unamplified_blt(command: str, config: PrivacyConfig) -> None:
 
 
 def _run_epsilon(args: argparse.Namespace) -> None:
-    from fed_dp.accounting import checked_epsilon, compute_epsilon_schedule
+    from fed_dp.accounting import accounting_note, checked_epsilon, compute_epsilon_schedule
 
     if args.noise_multiplier == 0:
         raise ValueError("noise_multiplier (--noise-multiplier) = 0 adds no noise: its ε is infinite and there is "
@@ -196,9 +195,10 @@ def _run_epsilon(args: argparse.Namespace) -> None:
                          "fed-dp simulate)")
     config = _config(args, args.noise_multiplier)
     _warn_unamplified_blt("epsilon", config)
-    if config.rounds >= LONG_ROUNDS:
-        print(f"fed-dp epsilon: accounting {config.rounds:,} rounds with {config.accountant} can take minutes"
-              + (" (progress on stderr)" if args.per_round else ""), file=sys.stderr, flush=True)
+    note = accounting_note(config)
+    if note is not None:
+        print(f"fed-dp epsilon: {note}" + (" (progress on stderr)" if args.per_round else ""), file=sys.stderr,
+              flush=True)
     if args.per_round:
         schedule = compute_epsilon_schedule(config, progress=_Progress(config.accountant))
         if args.json:
@@ -266,13 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; a ValueError becomes exit status 2 with its message on one line
-    (no traceback: it is a bad argument or config, and the message says what to do). A command that returns an
-    integer exits with it (``fed-dp submit``: 1 when the run failed)."""
+    (no traceback: it is a bad argument or config, and the message says what to do), a failed write
+    (``fed_dp.atomic.WriteError``: a full disk) exit status 1 with its message on one line. A command that returns
+    an integer exits with it (``fed-dp submit``: 1 when the run failed)."""
     args = parser.parse_args(argv)
     try:
         code = args.run(args)
     except ValueError as error:
         parser.exit(2, f"fed-dp {args.command}: error: {' '.join(str(error).split())}\n")
+    except WriteError as error:  # a full disk, a folder made read-only: the message says what became of the run
+        parser.exit(1, f"fed-dp {args.command}: error: {' '.join(str(error).split())}\n")
     return code if isinstance(code, int) else 0
 
 

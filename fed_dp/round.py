@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fed_dp.accounting import PrivacyLedger
+from fed_dp.accounting import BudgetExceededError, PrivacyLedger
 from fed_dp.adaptive_clipping import AdaptiveClipConfig, AdaptiveClipper, check_compatible, update_noise_multiplier
 from fed_dp.aggregation import average_noise_variance, private_average, unscale
 from fed_dp.clipping import clip_vector
@@ -36,7 +36,8 @@ from fed_dp.diagnostics import alignment_ratio
 from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
 from fed_dp.noise import NoNoise, Privatizer, make_privatizer
 from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
-from fed_dp.randomness import derive_seed
+from fed_dp.randomness import derive_seed, grid_step
+from fed_dp.run_setup import privacy_changes
 from fed_dp.sampling import Sampler, make_sampler
 
 
@@ -92,7 +93,8 @@ class ServerState:
                              f"{secret['round']}; they were not written together, refusing to resume")
         ledger = PrivacyLedger.from_dict(data["ledger"])
         if ledger.config != self.config:
-            raise ValueError("the checkpoint was written with another privacy configuration; refusing to resume")
+            raise ValueError(f"the checkpoint was written with another privacy configuration "
+                             f"({'; '.join(privacy_changes(ledger.config, self.config))}); refusing to resume")
         device, dtype = self.params.device, self.params.dtype
         params = data["params"]
         if tuple(params.shape) != tuple(self.params.shape):
@@ -136,6 +138,8 @@ def init_server(
     """
     if params.ndim != 1 or not params.dtype.is_floating_point:
         raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
+    config.require_resolved("init_server")
+    _check_magnitudes(config, params.dtype)
     params = params.detach().to(device).clone()
     dim = params.numel()
     derived = (lambda purpose: None) if seed is None else (lambda purpose: derive_seed(seed, purpose))
@@ -154,6 +158,8 @@ def init_server(
             raise ValueError("adaptive clipping is not combined with independent moment estimation")
         clipper = AdaptiveClipper(adaptive_clipping, config.expected_cohort, source=noise_source,
                                   seed=derived("adaptive-clipping") if noise_source == "torch" else None)
+    ledger = PrivacyLedger(config)
+    _check_budget(ledger)
     return ServerState(
         config=config,
         optimizer=optimizer,
@@ -161,9 +167,61 @@ def init_server(
         opt_state=optimizer.init(params),
         privatizer=privatizer,
         sampler=make_sampler(config, seed=derived("sampler")),
-        ledger=PrivacyLedger(config),
+        ledger=ledger,
         clipper=clipper,
     )
+
+
+#: Headroom of :func:`_check_magnitudes`: the largest value of a round, squared, must stay this far below the
+#: largest number of the model's dtype (sums of squares over coordinates, moments and norms are computed from it).
+_HEADROOM = 2.0**32
+#: How many noise standard deviations :func:`_check_magnitudes` counts on a released sum (a draw never exceeds
+#: ``fed_dp.randomness.RADIUS_MAX`` ≈ 13.2; the rest covers correlated noise's row norms of C⁻¹).
+_NOISE_SPAN = 64
+
+
+def _check_magnitudes(config: PrivacyConfig, dtype: torch.dtype) -> None:
+    """Refuse, before any round, a clip norm ζ (with σ) whose round overflows the model's dtype or whose noise the
+    noise source cannot draw. A round handles sums of up to N clipped updates, noise of std σζ on them, and squares
+    of both (second moments, the noise variance (σζ/B)², Σu² for moment estimation); with ζ = 1e300, or ζ = 1e20 in
+    float32, those are inf and the model turns to inf or NaN after round 1, its budget spent. The std σζ must be one
+    the noise source can draw (``fed_dp.randomness.grid_step``)."""
+    clip, sigma = config.clip_norm, config.noise_multiplier
+    largest = clip * (config.num_users + _NOISE_SPAN * sigma)
+    limit = math.sqrt(torch.finfo(dtype).max / _HEADROOM)
+    advice = ("ζ bounds the norm of one user's whole update: choose it near the norms of users' updates (typically "
+              "0.1 … 10; the clip-norm hint of a run says when it is far above them)")
+    if largest > limit:
+        raise ValueError(
+            f"clip_norm ζ = {clip:g} (privacy.clip-norm) is too large for this run's {dtype} model: a round sums up "
+            f"to N = {config.num_users} clipped updates and noise of std σζ = {sigma * clip:g}, and the squares of "
+            f"such values (second moments, the noise variance, norms) must stay far below the largest {dtype} "
+            f"({torch.finfo(dtype).max:.3g}), which needs ζ·(N + {_NOISE_SPAN}σ) ≤ {limit:.3g}; the model would "
+            f"otherwise turn to inf or NaN. {advice}")
+    if sigma > 0:
+        try:
+            grid_step(sigma * clip)  # the noise source's own check of the std it can draw
+        except ValueError as error:
+            raise ValueError(
+                f"the noise std σζ = {sigma:g} × {clip:g} = {sigma * clip:g} (privacy.noise-multiplier × "
+                f"privacy.clip-norm) is outside the range the noise can be drawn in ({error}). {advice}; σ = 0 is the "
+                "non-private baseline") from error
+
+
+def _check_budget(ledger: PrivacyLedger) -> None:
+    """Refuse, before any round, an ε budget that the first round alone exceeds: the run would release nothing and
+    return as if done (a configuration mistake, found here as a ``ValueError``)."""
+    if ledger.config.epsilon_budget is None:
+        return
+    try:
+        ledger.check_next_round()
+    except BudgetExceededError as refusal:
+        config = ledger.config
+        raise ValueError(
+            f"epsilon_budget = {config.epsilon_budget:g} (privacy.epsilon-budget) is below the ε of the first round "
+            f"alone ({ledger.epsilon_if_next_round():.4g} at δ = {config.delta:g}, σ = {config.noise_multiplier:g}): no round "
+            "could run. Raise the budget, or plan more noise (a larger privacy.noise-multiplier, or a "
+            "privacy.target-epsilon within the budget)") from refusal
 
 
 def begin_round(state: ServerState) -> RoundPlan:

@@ -20,6 +20,9 @@
          unless the kill falls between its mark and its log line)
     write results.json
 
+A run owns its checkpoint folder while it runs (``fed_dp.folder_lock``) and records with every commit the
+description of the run (``fed_dp.run_setup``) that a resume must match.
+
 What is published — results.json, logs, the public checkpoint — holds only what went through the accounted
 mechanism or is public anyway: ε, δ, the update norm, the optimizer's diagnostics (post-processing), adaptive
 clipping's ζ_t, evaluation on the server's held-out data. What is computed from users' data outside the
@@ -42,21 +45,26 @@ import math
 import re
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fed_dp.accounting import BudgetExceededError
-from fed_dp.atomic import write_atomically
-from fed_dp.checkpoint import (RESULTS_NAME, append_diagnostics, mark_published, operator_log_file, read_diagnostics,
-                               read_published, resume_with_secret, save_checkpoint)
+from fed_dp.accounting import BudgetExceededError, accounting_note, epsilon_schedule
+from fed_dp.atomic import WriteError, reporting_writes, write_atomically
+from fed_dp.checkpoint import (DIAGNOSTICS_NAME, RESULTS_NAME, SECRET_FOLDER, append_diagnostics, mark_published,
+                               operator_log_file, read_diagnostics, read_published, repair_diagnostics,
+                               resume_with_secret, save_checkpoint)
 from fed_dp.clip_hint import ClipHint
+from fed_dp.config import PrivacyConfig
 from fed_dp.context import in_simulation, reported_epsilon
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
+from fed_dp.folder_lock import owning
 from fed_dp.round import ServerState, begin_round, finish_round
 from fed_dp.run_config import RUN_DEFAULTS, SERVER_DEFAULTS
+from fed_dp.run_setup import SETUP_KEY
 
 log = logging.getLogger("fed_dp.server")
 #: Operator-only details of each round (which nodes failed or were late, how many sampled users were dropped): not
@@ -90,6 +98,21 @@ class TrainingStopped(RuntimeError):
         super().__init__(f"{failure}. The run stopped before releasing round {failure.round_number}: nothing of it "
                          f"was released; {state.round} round(s) were released before it (epsilon so far {spent}), and the model after "
                          f"round {state.round} is {kept}")
+
+
+class CheckpointWriteError(WriteError):
+    """Writing to the checkpoint folder failed during a run (a full disk, a folder made read-only): the run stopped
+    there. What was committed stays, and nothing uncommitted was released (a round is handed out only after its
+    commit), so the run resumes from the folder once the cause is fixed; the message says what became of the
+    round."""
+
+
+def _writing(checkpoint_dir: str | Path, what: str) -> Any:
+    """:func:`fed_dp.atomic.reporting_writes` for the checkpoint folder: a failed write in the block stops the run
+    with :class:`CheckpointWriteError` saying ``what`` became of it and how to resume."""
+    return reporting_writes(f"{what}. Fix the cause (free space on its disk, make the folder writable) and start the "
+                            "run again with the same checkpoint folder: it resumes there", checkpoint_dir,
+                            CheckpointWriteError)
 
 
 def _exchange_or_stop(exchange: Callable[[], "RoundReplies"], state: ServerState, records: list[dict[str, Any]],
@@ -178,7 +201,11 @@ def _write_results(folder: str | Path, records: list[dict[str, Any]]) -> None:
 
 def _restore_diagnostics(folder: str | Path, last: dict[str, Any] | None) -> None:
     """Append the committed round's diagnostics (kept in the secret part) when a crash came between the commit
-    and their append to ``secret/diagnostics.jsonl``."""
+    and their append to ``secret/diagnostics.jsonl``, or during it: a torn last line is cut off first
+    (``fed_dp.checkpoint.repair_diagnostics``), with a warning."""
+    if repair_diagnostics(folder):
+        log.warning("%s ended with a torn line (the process died while appending it); it was cut off and the "
+                    "committed round's diagnostics are written again", Path(folder) / SECRET_FOLDER / DIAGNOSTICS_NAME)
     if last is not None and all(written["round"] != last["round"] for written in read_diagnostics(folder)[-1:]):
         append_diagnostics(folder, last)
 
@@ -227,6 +254,7 @@ def run_rounds(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     on_phase: Callable[[str, int], None] | None = None,
     exchange_aggregates: bool = False,
+    setup: dict[str, Any] | None = None,
 ) -> LoopResult:
     """Run rounds until ``rounds`` (default: the planned T) have been released, the budget refuses one, or
     replies stop coming. Returns the final state, one record per released round (``"round"``: t = 1 … T) and
@@ -243,18 +271,47 @@ def run_rounds(
     ``exchange_aggregates``: ``exchange(plan, aggregate)`` gets the round's :data:`Aggregate` and may call it
     (the Flower Strategy's ``aggregate_train`` does); the loop calls it on the returned replies when the exchange
     did not, so that every round the loop releases went through ``finish_round`` exactly once.
+
+    With ``checkpoint_dir`` the run owns the folder while it runs (``fed_dp.folder_lock``: a second run on it gets
+    ``FolderInUseError`` naming this one, before anything is resumed); ``setup`` (``fed_dp.run_setup.describe_run``)
+    is recorded with every commit, and a resume whose privacy configuration or ``setup`` differs from the recorded
+    ones is refused with a ValueError naming each difference. A write to the folder that fails (a full disk) stops
+    the run with :class:`CheckpointWriteError`, after which it resumes from what was committed.
     """
     rounds = state.config.rounds if rounds is None else rounds
     if not 1 <= rounds <= state.config.rounds:
         raise ValueError(f"rounds must be in 1..{state.config.rounds} (the rounds the privacy plan accounts for), "
                          f"got {rounds}")
     phase = on_phase if on_phase is not None else (lambda name, index: None)
-    if state.config.non_private:
-        log.warning("noise_multiplier = 0: this run adds NO noise and has NO privacy (epsilon is infinite); it is a "
-                    "non-private baseline, and every record and result is labelled non_private")
+    with owning(checkpoint_dir) if checkpoint_dir else nullcontext():  # one run per folder (fed_dp.folder_lock)
+        _announce_plan(state.config)
+        publisher = _Publisher(rounds, evaluate, eval_every, checkpoint_dir, on_round, phase)
+        records = _resumed_records(state, checkpoint_dir, publisher, setup) if checkpoint_dir else []
+        try:
+            loop = _rounds(state, exchange, rounds, evaluate, eval_every, checkpoint_dir, max_empty_rounds, publisher,
+                           phase, exchange_aggregates, setup, records)
+        except BaseException:
+            if checkpoint_dir:  # a run that stopped: the records so far, if they can be written, never hiding why
+                try:
+                    _write_results(checkpoint_dir, records)
+                except OSError as error:
+                    log.error("%s could not be written (%s); the committed rounds are in the checkpoint",
+                              Path(checkpoint_dir) / RESULTS_NAME, error)
+            raise
+        if checkpoint_dir:
+            with _writing(checkpoint_dir, f"{RESULTS_NAME} after round {loop.state.round}, which is committed (start "
+                          "the run again with the same folder to write it)"):
+                _write_results(checkpoint_dir, records)
+        return loop
+
+
+def _rounds(state: ServerState, exchange: Any, rounds: int, evaluate: Any, eval_every: int,
+            checkpoint_dir: str | Path | None, max_empty_rounds: int, publisher: "_Publisher",
+            phase: Callable[[str, int], None], exchange_aggregates: bool, setup: dict[str, Any] | None,
+            records: list[dict[str, Any]]) -> LoopResult:
+    """The rounds of :func:`run_rounds` after the resume: round 0's evaluation in a fresh run, then each round
+    until ``rounds`` are released or the budget refuses one (``records`` grows in place)."""
     simulated = in_simulation()
-    publisher = _Publisher(rounds, evaluate, eval_every, checkpoint_dir, on_round, phase)
-    records = _resumed_records(state, checkpoint_dir, publisher) if checkpoint_dir else []
     if state.round == 0 and evaluate is not None and eval_every > 0:  # a fresh run: the initial model first
         evaluation = evaluate(0, state.params)
         if evaluation:  # an evaluation that returns nothing (a task without one) leaves no record
@@ -283,7 +340,7 @@ def run_rounds(
                 metrics.update({f"{NONPRIVATE}{key}": value for key, value in nonprivate.items()})
             records.append(metrics)
             if checkpoint_dir:
-                _commit(state, checkpoint_dir, records, nonprivate)
+                _commit(state, checkpoint_dir, records, nonprivate, setup)
             phase("saved", plan.round + 1)
             for problem in nonprivate.get("dropped", []):
                 private_log.warning("round %d: %s", plan.round + 1, problem)
@@ -298,9 +355,34 @@ def run_rounds(
         if operator_log is not None:
             private_log.removeHandler(operator_log)
             operator_log.close()
-        if checkpoint_dir:
-            _write_results(checkpoint_dir, records)
     return LoopResult(state, records, stopped)
+
+
+#: Above this user-level ε a run protects nobody (e^ε > 10⁴³): :func:`_announce_plan` warns, naming σ.
+WEAK_EPSILON = 100.0
+
+
+def _announce_plan(config: PrivacyConfig) -> None:
+    """Before the first round: say what is unusual about the plan. A non-private baseline (σ = 0) is labelled so;
+    an ε schedule that takes long to compute is announced (``fed_dp.accounting.accounting_note``; it is computed
+    here, once, and round 1 needs it anyway); a plan whose ε (at most the budget) exceeds :data:`WEAK_EPSILON`
+    is warned about, with σ and ε named: σ = 1e-30 is accepted (it is a valid σ, and tests use tiny ones for
+    near-noiseless runs) but must not pass without a word."""
+    if config.non_private:
+        log.warning("noise_multiplier = 0: this run adds NO noise and has NO privacy (epsilon is infinite); it is a "
+                    "non-private baseline, and every record and result is labelled non_private")
+        return
+    note = accounting_note(config)
+    if note is not None:
+        log.info("fed-dp: %s", note)
+    planned = epsilon_schedule(config).epsilons[-1]
+    reachable = min(planned, config.epsilon_budget if config.epsilon_budget is not None else math.inf)
+    if reachable > WEAK_EPSILON:
+        log.warning("noise_multiplier σ = %g (privacy.noise-multiplier) gives a user-level epsilon of %.4g after %d "
+                    "rounds (at delta %g): this run protects nobody (e^epsilon > %.0e). For a non-private baseline "
+                    "set σ = 0 (then labelled non-private); for a private run choose σ for a target epsilon "
+                    "(privacy.target-epsilon, or fed-dp calibrate)", config.noise_multiplier, planned, config.rounds,
+                    config.delta, math.exp(min(WEAK_EPSILON, 700.0)))
 
 
 @dataclass(frozen=True)
@@ -323,18 +405,22 @@ class _Publisher:
             record.update(self.evaluate(state.round, state.params))
         self.phase("evaluated", record["round"])
         if self.checkpoint_dir:
-            mark_published(self.checkpoint_dir, public_record(record))
+            with _writing(self.checkpoint_dir, f"round {record['round']} is committed, but it could not be marked "
+                          "published; it is evaluated and handed out when the run resumes"):
+                mark_published(self.checkpoint_dir, public_record(record))
         log.info("round %d/%d: epsilon %s, delta %g", record["round"], self.rounds,
                  _format_epsilon(record["epsilon"]), record["delta"])
         if self.on_round is not None:
             self.on_round(record)
 
 
-def _resumed_records(state: ServerState, checkpoint_dir: str | Path, publisher: _Publisher) -> list[dict[str, Any]]:
+def _resumed_records(state: ServerState, checkpoint_dir: str | Path, publisher: _Publisher,
+                     setup: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Resume ``state`` from the checkpoint folder when it holds one and return the records so far (public and
     secret parts joined); a round committed just before a crash and never marked published is published now
-    (evaluated, handed out). A folder without a checkpoint: a fresh run, no records."""
-    restored = resume_with_secret(state, checkpoint_dir)
+    (evaluated, handed out). A folder without a checkpoint: a fresh run, no records. A checkpoint of another
+    configuration or ``setup`` is refused (``fed_dp.run_setup.check_resume``)."""
+    restored = resume_with_secret(state, checkpoint_dir, setup)
     if restored is None:
         return []
     extra, secret_extra = restored
@@ -381,13 +467,21 @@ def _exchanged_and_aggregated(state: ServerState, plan: RoundPlan, exchange: Any
 
 
 def _commit(state: ServerState, checkpoint_dir: str | Path, records: list[dict[str, Any]],
-            nonprivate: dict[str, Any]) -> None:
-    """Commit a round before anything of it is published: the checkpoint (public records; the non-private parts
-    and the round's diagnostics in the secret part), then the diagnostics appended to ``secret/diagnostics.jsonl``."""
-    diagnostics = {"round": records[-1]["round"], **nonprivate}
-    save_checkpoint(state, checkpoint_dir, extra={"records": [public_record(r) for r in records]},
-                    secret_extra={"records": [nonprivate_part(r) for r in records], "diagnostics": diagnostics})
-    append_diagnostics(checkpoint_dir, diagnostics)
+            nonprivate: dict[str, Any], setup: dict[str, Any] | None) -> None:
+    """Commit a round before anything of it is published: the checkpoint (public records and the run's
+    description, ``fed_dp.run_setup``; the non-private parts and the round's diagnostics in the secret part), then
+    the diagnostics appended to ``secret/diagnostics.jsonl``. A failed write stops the run with
+    :class:`CheckpointWriteError`, saying what became of the round."""
+    t = records[-1]["round"]
+    diagnostics = {"round": t, **nonprivate}
+    extra = {"records": [public_record(r) for r in records], **({SETUP_KEY: setup} if setup is not None else {})}
+    with _writing(checkpoint_dir, f"round {t} could not be saved, so nothing of it was released; the rounds before "
+                  "it are committed"):
+        save_checkpoint(state, checkpoint_dir, extra=extra,
+                        secret_extra={"records": [nonprivate_part(r) for r in records], "diagnostics": diagnostics})
+    with _writing(checkpoint_dir, f"round {t} is committed, but its diagnostics were not written; it is handed out "
+                  "when the run resumes"):
+        append_diagnostics(checkpoint_dir, diagnostics)
 
 
 def _empty_rounds(empty: int, nonprivate: dict[str, Any], max_empty_rounds: int, metrics: dict[str, Any],

@@ -42,6 +42,7 @@ from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import OPTIMIZERS, ServerOptimizer, make_optimizer
 from fed_dp.schema import UNSET, Key, keys_of, setting
+from fed_dp.validation import check_seed
 from fed_dp.validation import is_int as _integer
 from fed_dp.validation import is_real as _real
 from fed_dp.validation import require as _check
@@ -228,8 +229,7 @@ class RunSettings:
                                                 "and the last (0: never)")
 
     def __post_init__(self) -> None:
-        _check(self.seed is None or (_integer(self.seed) and self.seed >= 0),
-               f"run.seed must be an integer >= 0 (or unset), got {self.seed!r}")
+        check_seed("run.seed", self.seed)
         _check(_integer(self.eval_every) and self.eval_every >= 0,
                f"run.eval-every must be an integer >= 0, got {self.eval_every!r}")
 

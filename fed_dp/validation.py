@@ -52,6 +52,20 @@ def check_nonnegative(name: str, value: object) -> float:
     return float(value)
 
 
+#: The largest seed: seeds reach torch's generators, which take a signed 64-bit integer (OS-entropy seeds and
+#: ``fed_dp.randomness.derive_seed``'s are 63-bit).
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(name: str, value: object) -> int | None:
+    """``value`` if it is None (no seed: OS entropy) or an integer (not a bool) in 0 … :data:`MAX_SEED`; a seed of
+    10²⁰ would otherwise fail deep in torch with "Overflow when unpacking long long"."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                              or not 0 <= value <= MAX_SEED):
+        raise ValueError(f"{name} must be an integer >= 0 and <= 2^63 − 1 = {MAX_SEED} (or unset: OS entropy), got {value!r}")
+    return None if value is None else int(value)
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:

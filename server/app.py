@@ -24,6 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fed_dp.clients.task import build_task, initial_model
 from fed_dp.run_config import RunConfig
+from fed_dp.validation import check_seed
 from fed_dp.server.flower_strategy import UserLevelDP, centralized_evaluation, configure_logging, model_arrays
 
 app = ServerApp()
@@ -41,7 +42,7 @@ def server_seed(environ: Mapping[str, str]) -> int | None:
     if not text.isdigit():
         raise ValueError(f"{SERVER_SEED_VARIABLE}={text!r} must be an integer >= 0 (the seed of the sampler and "
                          "the noise of a research run); unset it for OS entropy")
-    return int(text)
+    return check_seed(SERVER_SEED_VARIABLE, int(text))
 
 
 def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
@@ -61,7 +62,7 @@ def make_strategy(run: RunConfig, num_users: int, environ: Mapping[str, str], *,
         seed=server_seed(environ), training_seed=run.run.seed, checkpoint_dir=run.server.checkpoint_dir,
         eval_every=run.run.eval_every, max_empty_rounds=run.server.max_empty_rounds,
         min_nodes=run.server.min_nodes, node_wait=run.server.node_wait,
-        noise_source=run.server.noise_source, frozen=frozen,
+        noise_source=run.server.noise_source, frozen=frozen, local=run.local,
     )
 
 

@@ -64,7 +64,7 @@ from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.clients import protocol
 from fed_dp.clients.evaluation import evaluate_params
 from fed_dp.clients.task import Task, trainable_layout, trainable_parameters
-from fed_dp.config import PrivacyConfig
+from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import in_simulation
 from fed_dp.flat import ParamLayout
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
@@ -75,6 +75,8 @@ from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
 from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
 from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
+from fed_dp.run_setup import describe_run
+from fed_dp.validation import check_seed
 
 log = logging.getLogger("fed_dp.server")
 
@@ -189,6 +191,13 @@ class UserLevelDP(Strategy):
         (``requires_grad=False``): they are never sent, so every node builds its own, and a node whose frozen
         parameters differ from these (other names, shapes or values) is refused before round 1. None: the model
         has none; a node that reports frozen parameters is then refused.
+    local: the local training the ClientApps run (the run config's ``[local]``, which the ServerApp passes): with a
+        checkpoint folder it is recorded, so that a resume that changes it is refused; None: not recorded.
+
+    With ``checkpoint_dir``, the run owns the folder while it runs (a second run on it is refused, naming this one)
+    and records its optimizer, ``training_seed``, model, noise source, adaptive clipping and ``local`` there: a
+    resume that changes any of them, or the privacy configuration, is refused before round 1
+    (``fed_dp.run_setup``).
     """
 
     def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name, *,
@@ -197,7 +206,7 @@ class UserLevelDP(Strategy):
                  eval_every: int = RUN_DEFAULTS.eval_every, max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
                  min_nodes: int = SERVER_DEFAULTS.min_nodes, node_wait: float = SERVER_DEFAULTS.node_wait,
                  on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str = SERVER_DEFAULTS.noise_source,
-                 frozen: nn.Module | list[str] | None = None) -> None:
+                 frozen: nn.Module | list[str] | None = None, local: LocalTraining | None = None) -> None:
         super().__init__()
         if not isinstance(privacy, PrivacyConfig):
             raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
@@ -210,13 +219,15 @@ class UserLevelDP(Strategy):
         if not self.optimizer.private and not in_simulation():
             raise ValueError("this optimizer is not private (a noiseless baseline); it exists only in simulations")
         for name, value in (("seed", seed), ("training_seed", training_seed)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            check_seed(name, value)
         for name, value in (("eval_every", eval_every), ("max_empty_rounds", max_empty_rounds - 1),
                             ("min_nodes", min_nodes - 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= {0 if name == 'eval_every' else 1}")
+        if local is not None and not isinstance(local, LocalTraining):
+            raise ValueError(f"local must be a fed_dp LocalTraining or None, got {type(local).__name__}")
         self.privacy, self.adaptive_clipping, self.seed = privacy, adaptive_clipping, seed
+        self.training_seed, self.local = training_seed, local
         self.checkpoint_dir, self.eval_every, self.max_empty_rounds = checkpoint_dir, eval_every, max_empty_rounds
         self.min_nodes, self.node_wait, self.on_round = min_nodes, node_wait, on_round
         if frozen is not None and not isinstance(frozen, (nn.Module, list)):
@@ -516,9 +527,15 @@ class UserLevelDP(Strategy):
                 result.evaluate_metrics_serverapp[server_round] = metrics
             return {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
 
+        # recorded with the checkpoint; the seed the run config gives the clients, never the server's own seed
+        clipper = self.state.clipper
+        setup = describe_run(optimizer=self.optimizer, adaptive=None if clipper is None else clipper.config,
+                             noise_source=self.noise_source, seed=self.training_seed, model=self._fingerprint(),
+                             local=self.local) if self.checkpoint_dir else None
         loop = run_rounds(self.state, exchange, rounds=num_rounds, evaluate=evaluate if evaluate_fn else None,
                           eval_every=self.eval_every, checkpoint_dir=self.checkpoint_dir,
-                          max_empty_rounds=self.max_empty_rounds, on_round=self.on_round, exchange_aggregates=True)
+                          max_empty_rounds=self.max_empty_rounds, on_round=self.on_round, exchange_aggregates=True,
+                          setup=setup)
         self.state = loop.state
         final = loop.records[-1] if loop.records else {}
         result.arrays = self.arrays(self.state.params)

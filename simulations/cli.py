@@ -57,6 +57,7 @@ def _setting_up(what: str, step: Callable[[], Any]) -> Any:
 
 
 def _run_simulation(args: argparse.Namespace) -> None:
+    from fed_dp.atomic import reporting_writes
     from fed_dp.clients.task import build_task
     from fed_dp.round_loop import TrainingStopped
     from fed_dp.simulations.experiments.plots import plot_all
@@ -91,7 +92,9 @@ def _run_simulation(args: argparse.Namespace) -> None:
         print(format_table(rows))
         print(f"\nresults: {out}/ (config.json, summary.json, rounds-<optimizer>.jsonl)")
         if not args.no_plot:
-            figures = plot_all(read_results(out), out)
+            with reporting_writes(f"the figures are incomplete; the results are written: draw them again with "
+                                  f"fed-dp plot {out} once the cause is fixed", out):
+                figures = plot_all(read_results(out), out)
             print("figures: " + ", ".join(str(f) for f in figures))
     if workers is not None:
         from fed_dp.simulations.engine.distributed import leave_torchrun

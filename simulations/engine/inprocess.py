@@ -33,10 +33,11 @@ from torch import nn
 
 from fed_dp.accounting import resolve_privacy
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
+from fed_dp.checkpoint import recorded_run
 from fed_dp.clients.evaluation import evaluate_params, load_params
 from fed_dp.clients.node import LocalTrainer
 from fed_dp.clients.vectorized import path_metrics
-from fed_dp.clients.task import Task, initial_model
+from fed_dp.clients.task import Task, initial_model, model_fingerprint
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
@@ -45,6 +46,8 @@ from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
 from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
+from fed_dp.run_setup import describe_run
+from fed_dp.validation import check_seed
 from fed_dp.simulations.engine.progress import RoundProgress
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
@@ -107,14 +110,19 @@ def train(
     optimizer: a server optimizer or its name (``fed_dp.optimizers.OPTIMIZERS``; the noiseless baselines
         are allowed here, in a simulation, and report ``"not private"``).
     local: local training of each user (default ``LocalTraining()``).
-    seed: None (model, sampler, noise and local training from OS entropy) or an int: a reproducible research run.
+    seed: None (model, sampler, noise and local training from OS entropy) or an int in 0 … 2^63 − 1: a
+        reproducible research run.
     training_seed: seeds only the model's initialization and the users' local training (default: ``seed``); the
         sampler and the noise still come from ``seed``. ``fed-dp simulate`` without ``run.seed`` writes this seed
-        to its results and keeps ``seed`` (the cohorts and the noise) in memory only.
+        to its results and keeps ``seed`` (the cohorts and the noise) in memory only. With neither, a run that
+        resumes a checkpoint takes the seed the checkpointed run drew.
     eval_every: evaluate with ``task.evaluate`` the initial model (round 0), every round t with t % k == 0 and the
         last round (0: never).
     device / training / chunk_size: where and how users train (``LocalTrainer``).
-    checkpoint_dir: save every round there and resume from it.
+    checkpoint_dir: save every round there and resume from it. The run owns the folder while it runs (a second
+        run on it is refused, naming this one) and records the optimizer, local training, seed, model, noise
+        source and adaptive clipping there: a resume that changes any of them, or the privacy configuration, is
+        refused with a ValueError before anything is released (``fed_dp.run_setup``).
     on_round: called with every round's record; ``progress``: show a progress bar.
     noise_source: ``"torch"`` (seeded: reproducible), ``"secure"`` (AES-CTR from OS entropy; needs seed=None) or
         ``"auto"`` (``server.noise-source``'s default: torch in a simulation).
@@ -140,11 +148,13 @@ def train(
         raise ValueError(f"local must be a fed_dp LocalTraining, got {type(local).__name__}")
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
+    seed, training_seed = check_seed("seed", seed), check_seed("training_seed", training_seed)
     workers = current_workers()  # under torchrun: rank 0 runs the loop, every rank trains a share of the cohort
     with simulation():
         if isinstance(optimizer, str):
             optimizer = make_optimizer(optimizer)
-        run_seed = training_seed if training_seed is not None else seed if seed is not None else entropy_seed()
+        run_seed = training_seed if training_seed is not None else seed if seed is not None else _drawn_seed(
+            checkpoint_dir if workers is None or workers.leader else None)
         if workers is not None:
             run_seed = share_seed(workers, run_seed)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
@@ -155,18 +165,21 @@ def train(
             served = serve_rounds(workers, trainer, params, client_seed)
             return _worker_result(workers, model, layout, served)
         privacy = resolve_privacy(privacy, task.num_users)
+        state_noise_source = resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None)
         state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
-                            noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None),
-                            device=trainer.device)
+                            noise_source=state_noise_source, device=trainer.device)
         exchange = _exchange(trainer, workers, client_seed)
         evaluate = None
         if task.evaluate is not None:
             evaluate = lambda rounds_done, theta: evaluate_params(  # noqa: E731
                 trainer.model, trainer.layout, theta.to(trainer.device), task.evaluate)
         bar, step = _progress(privacy.rounds, on_round) if progress else (None, on_round)
+        setup = describe_run(optimizer=optimizer, adaptive=None if state.clipper is None else state.clipper.config,
+                             noise_source=state_noise_source, seed=run_seed, model=model_fingerprint(model),
+                             local=local) if checkpoint_dir else None
         try:
             loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-                              max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase)
+                              max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase, setup=setup)
         except TrainingStopped as stop:  # the model after the last released round comes back with the error
             stop.result = _stopped_result(model, layout, privacy, stop)
             if workers is not None:
@@ -187,6 +200,16 @@ def train(
     if workers is not None:
         dist.broadcast_object_list([_public(result)], src=0)
     return result
+
+
+def _drawn_seed(checkpoint_dir: str | None) -> int:
+    """The seed of the model and local training of a run given none: the one the run checkpointed in
+    ``checkpoint_dir`` drew, when it resumes one (its frozen parameters and its local training then continue as
+    if uninterrupted, and the resume matches the recorded description, ``fed_dp.run_setup``), else one from OS
+    entropy."""
+    recorded = recorded_run(checkpoint_dir) if checkpoint_dir else None
+    setup = recorded[1] if recorded is not None else None
+    return setup["seed"] if setup is not None and setup.get("seed") is not None else entropy_seed()
 
 
 def _exchange(trainer: LocalTrainer, workers: Workers | None, client_seed: int) -> Callable[[RoundPlan], RoundReplies]:

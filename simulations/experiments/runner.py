@@ -11,7 +11,14 @@ experiment keys: ``run.optimizers = [names]`` trains each of these optimizers wi
 Each run writes to its output folder: ``config.json`` (the config as given, and what was resolved: N, the
 calibrated σ, the seed of the model and local training; the seed of the sampler and the noise only when the
 config gave ``run.seed``), ``rounds-NAME.jsonl`` (one record per round: round, ε, losses, accuracies, per-group
-metrics, optimizer diagnostics) and ``summary.json`` (the table printed at the end).
+metrics, optimizer diagnostics) and ``summary.json`` (the table printed at the end). A folder that cannot be
+written is refused before anything trains; a write that fails later (a full disk) is a
+``fed_dp.atomic.WriteError`` saying which results are incomplete.
+
+With ``server.checkpoint-dir``, a run whose folders hold checkpoints resumes them: before anything is written,
+their recorded configuration is compared with this one (``fed_dp.run_setup``; a change is refused, so config.json
+never describes a run the checkpoint does not hold), and without ``run.seed`` the seed the checkpointed run drew is
+taken again.
 """
 
 from __future__ import annotations
@@ -28,14 +35,17 @@ from typing import Any
 
 import torch
 
-from fed_dp.accounting import epsilon_schedule, resolve_privacy
+from fed_dp.accounting import accounting_note, epsilon_schedule, resolve_privacy
+from fed_dp.atomic import reporting_writes
+from fed_dp.checkpoint import recorded_run
 from fed_dp.clients.task import Task, build_task
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
 from fed_dp.optimizers import OPTIMIZERS
 from fed_dp.randomness import entropy_seed
 from fed_dp.round_loop import TrainingStopped
-from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides
+from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides, resolve_noise_source
+from fed_dp.run_setup import check_resume, describe_run
 from fed_dp.simulations.engine.inprocess import train
 from fed_dp.simulations.engine.progress import RoundProgress
 
@@ -167,19 +177,68 @@ class RunSeeds:
     note: str
 
 
-def run_seeds(seed: int | None) -> RunSeeds:
-    """The seeds for ``run.seed`` (None: the noise and sampler seed and the training seed from OS entropy)."""
+def run_seeds(seed: int | None, resumed: int | None = None) -> RunSeeds:
+    """The seeds for ``run.seed`` (None: the noise and sampler seed and the training seed from OS entropy, or the
+    training seed ``resumed``, the one a checkpointed run of this experiment drew: it resumes with it)."""
     if seed is not None:
         return RunSeeds(seed, seed, "run.seed: model, local training, sampler and noise are reproducible from it "
                         "(a research run; anyone who reads it can rebuild the cohorts and remove the noise)")
-    return RunSeeds(entropy_seed(), entropy_seed(), "the seed of the model's initialization and local training, "
-                    "from OS entropy; the sampler and the noise were seeded from OS entropy too and that seed is "
-                    "written nowhere")
+    drawn = "drawn from OS entropy when the run started, and kept by its checkpoint" if resumed is not None else \
+        "from OS entropy"
+    return RunSeeds(entropy_seed(), resumed if resumed is not None else entropy_seed(), "the seed of the model's "
+                    f"initialization and local training, {drawn}; the sampler and the noise were seeded from OS "
+                    "entropy too and that seed is written nowhere")
 
 
 def checkpoint_folder(checkpoint_dir: str | None, optimizer: str) -> str | None:
     """``server.checkpoint-dir/<optimizer>``: each optimizer of an experiment checkpoints, and resumes, there."""
     return None if checkpoint_dir is None else str(Path(checkpoint_dir) / optimizer)
+
+
+def _recorded_runs(experiment: Experiment) -> dict[str, tuple[PrivacyConfig, dict[str, Any] | None]]:
+    """The recorded privacy configuration and description (``fed_dp.run_setup``) of each optimizer whose
+    checkpoint folder holds a run to resume."""
+    recorded = {}
+    for name, run in experiment.runs.items():
+        folder = checkpoint_folder(run.server.checkpoint_dir, name)
+        found = recorded_run(folder) if folder is not None else None
+        if found is not None:
+            recorded[name] = found
+    return recorded
+
+
+def _check_resumes(experiment: Experiment, recorded: dict[str, tuple[PrivacyConfig, dict[str, Any] | None]],
+                   privacy: PrivacyConfig, seeds: RunSeeds) -> None:
+    """Refuse, before anything is written, a resume whose configuration differs from the one its checkpoint
+    recorded (everything the engine checks but the model, which it checks once built): otherwise config.json
+    would be rewritten for a run that then does not start."""
+    for name, (recorded_privacy, recorded_setup) in recorded.items():
+        run = experiment.runs[name]
+        adaptive = run.adaptive.build(privacy)
+        setup = describe_run(optimizer=run.optimizer.build(),
+                             adaptive=None if adaptive is None else adaptive.for_privacy(privacy),
+                             noise_source=resolve_noise_source(run.server.noise_source, flower_run=False, seeded=True),
+                             seed=seeds.training, local=run.local)
+        check_resume(checkpoint_folder(run.server.checkpoint_dir, name), recorded_privacy, recorded_setup, privacy,
+                     setup)
+
+
+def _results_folder(out: Path, resolved: dict[str, Any]) -> None:
+    """Create the results folder and write its config.json, before any training: a folder that cannot be written
+    (read-only, on a full disk) is a ValueError naming it, before anything runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+    except OSError as error:
+        raise ValueError(f"the results folder {out} cannot be written: {error.strerror} ({error.filename}). Give a "
+                         "folder you can write to (fed-dp simulate --out DIR)") from error
+
+
+def _results_write(out: Path, name: str) -> Any:
+    """A failed write of ``name``'s results (a full disk) as a WriteError that says where its model is kept."""
+    return reporting_writes(f"the results of {name} are incomplete. Free space (or give another --out) and run "
+                            "again; with server.checkpoint-dir the run resumes from its checkpoint instead of "
+                            "training again", out)
 
 
 def run_experiment(
@@ -195,23 +254,27 @@ def run_experiment(
     base = experiment.base
     task = task if task is not None else build_task(base.task)
     privacy = resolve_privacy(base.privacy, task.num_users)  # σ calibrated once, shared by every optimizer
-    seeds = run_seeds(base.run.seed)
+    recorded = _recorded_runs(experiment) if write else {}  # resumes (rank 0 of a torchrun run reads them)
+    resumed = next((setup["seed"] for _, setup in recorded.values() if setup and setup.get("seed") is not None), None)
+    seeds = run_seeds(base.run.seed, resumed)
+    _check_resumes(experiment, recorded, privacy, seeds)
     out = Path(out_dir)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
     resolved = {**copy.deepcopy(config), "resolved": {
         "num_users": task.num_users, "noise_multiplier": privacy.noise_multiplier,
         "calibrated_from_target_epsilon": base.privacy.target_epsilon, "task": task.description or task.name,
         "seed": seeds.training, "seed_note": seeds.note,
     }}
     if write:
-        (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+        _results_folder(out, resolved)
     log(f"task: {task.description or task.name}")
     log(f"privacy: N = {task.num_users}, B = {privacy.expected_cohort}, T = {privacy.rounds}, "
         f"sigma = {privacy.noise_multiplier:.4f}, clip = {privacy.clip_norm}, sampler = {privacy.sampler}, "
         f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seeds.training}")
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
     # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
+    note = accounting_note(privacy)
+    if note is not None:
+        log(note)
     schedule = epsilon_schedule(privacy).epsilons
     if privacy.non_private:
         log("WARNING: privacy.noise-multiplier = 0: a NON-PRIVATE baseline, no noise is added and epsilon is "
@@ -241,17 +304,20 @@ def run_experiment(
                            max_empty_rounds=run.server.max_empty_rounds)
         except TrainingStopped as stop:
             if write:
-                _write_rounds(out, name, stop.records)
-                stop.saved = _save_model(out, name, stop.result.model)
+                with _results_write(out, name):
+                    _write_rounds(out, name, stop.records)
+                    stop.saved = _save_model(out, name, stop.result.model)
             raise
         finally:
             if bar is not None:
                 bar.close()
         if write:
-            _write_rounds(out, name, result.records)
+            with _results_write(out, name):
+                _write_rounds(out, name, result.records)
         rows.append(_summary_row(name, result.records, time.perf_counter() - start))
     if write:
-        (out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
+        with _results_write(out, "the experiment"):
+            (out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     return rows
 
 

@@ -524,6 +524,7 @@ def test_run_seed_reaches_every_client_so_the_server_app_never_seeds_the_sampler
     rebuilt = init_server(privacy, run.optimizer.build(), params, seed=5).secret_state_dict()  # what a client can do
     strategy, secret = secret_state({})
     assert strategy.client_seed == derive_seed(5, "local-training")  # local training stays reproducible
+    assert strategy.local == run.local and strategy.training_seed == 5  # recorded with a checkpoint (issue 40)
     assert secret["privatizer"]["source"]["kind"] == "secure"
     assert not torch.equal(secret["sampler"]["generator_state"], rebuilt["sampler"]["generator_state"])
     _, research = secret_state({SERVER_SEED_VARIABLE: "5"})  # the server's own seed: the engine's research run
@@ -570,3 +571,22 @@ def test_one_users_bad_data_moves_a_nodes_reply_by_at_most_its_own_update(tmp_pa
     assert load_checkpoint(tmp_path)["state"]["round"] == 3
     log = (tmp_path / "secret" / "operator.log").read_text()
     assert "failed to load or train and were sent as zero updates" in log
+
+
+def test_a_flower_resume_with_another_local_training_or_run_seed_is_refused_before_round_1(tmp_path):
+    """Issue 40 item 11 on the Flower path: the ServerApp gives the strategy the run config's [local] and run.seed,
+    which the ClientApps read; they are recorded with the checkpoint, and a resume that changes them is refused
+    before any TRAIN message is sent, naming each change. The same configuration resumes."""
+    model = initial_model(TASK, 5)[0]
+    folder = str(tmp_path / "ckpt")
+    UserLevelDP(PRIVACY, "dp-fedavg", seed=5, training_seed=5, local=LOCAL, checkpoint_dir=folder).start(
+        honest_grid(), model_arrays(model), num_rounds=1)
+    changed = UserLevelDP(PRIVACY, "dp-fedavg", seed=5, training_seed=6, checkpoint_dir=folder,
+                          local=LocalTraining(batch_size=2, lr=0.1))
+    grid = honest_grid()
+    with pytest.raises(ValueError, match=r"local.lr: recorded 0.5, now 0.1; run.seed: recorded 5, now 6"):
+        changed.start(grid, model_arrays(model))
+    assert not [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    result = UserLevelDP(PRIVACY, "dp-fedavg", seed=5, training_seed=5, local=LOCAL, checkpoint_dir=folder).start(
+        honest_grid(), model_arrays(model))
+    assert [r["round"] for r in result.records] == [1, 2, 3]
