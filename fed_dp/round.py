@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fed_dp.accounting import PrivacyLedger
+from fed_dp.accounting import PrivacyLedger, check_plan
 from fed_dp.adaptive_clipping import AdaptiveClipConfig, AdaptiveClipper, check_compatible, update_noise_multiplier
 from fed_dp.aggregation import average_noise_variance, private_average, unscale
 from fed_dp.clipping import clip_vector
@@ -133,9 +133,13 @@ def init_server(
     With ``adaptive_clipping`` (independent noise only) the clip norm follows the noisy clip bits of every
     round and the update noise uses σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the pair costs one Gaussian
     with multiplier σ and the accounting is unchanged (fed_dp.adaptive_clipping).
+
+    The plan is checked first (``fed_dp.accounting.check_plan``): a budget that could release no round is refused,
+    and a budget that stops the run early, an ε too large to mean anything or an allowed δ ≥ 1/N are warned about.
     """
     if params.ndim != 1 or not params.dtype.is_floating_point:
         raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
+    check_plan(config.require_resolved("init_server"))
     params = params.detach().to(device).clone()
     dim = params.numel()
     derived = (lambda purpose: None) if seed is None else (lambda purpose: derive_seed(seed, purpose))
