@@ -25,6 +25,10 @@ __all__ = ["LocalTrainer"]
 
 log = logging.getLogger("fed_dp.clients")
 
+#: A failure is the task's, not one user's data, when this many users of a round (or all of them, if fewer, at
+#: least two) each fail on their own and none succeeds (:meth:`LocalTrainer._failure`).
+FAILURES_TO_BLAME_THE_TASK = 3
+
 
 class LocalTrainer:
     """Trains a node's sampled users of ``task`` with ``local`` training on ``device``.
@@ -97,7 +101,12 @@ class LocalTrainer:
                           loss=self.task.loss, seed=seed, source=source)
         if failures == "zero":
             return self._without_failed(users, work, plan.round)
-        examples = [(int(u), self._load(int(u), plan.round)) for u in users]
+        examples = []
+        for user in users:
+            try:
+                examples.append((int(user), self._load(int(user), plan.round)))
+            except UserTrainingError as failure:
+                raise self._load_failure(failure, users) from failure.original
         try:
             return contribution(examples, work, vectorized=self.vectorized, chunk_size=self.chunk_size)
         except Exception as error:
@@ -152,14 +161,45 @@ class LocalTrainer:
         ids = self.task.users.ids
         return ids[user] if 0 <= user < len(ids) else user
 
+    def _load_failure(self, failure: UserTrainingError, users: Sequence[int]) -> UserTrainingError:
+        """``failure`` (a user whose examples did not load), marked as the task's (``not_the_users``) when other
+        users of the round fail to load too (up to :data:`FAILURES_TO_BLAME_THE_TASK` in all): then no user's data
+        load (a missing folder, a loader that cannot work), which is the task's set-up, not one user's data."""
+        others = [int(u) for u in users if int(u) != failure.user][:FAILURES_TO_BLAME_THE_TASK - 1]
+        for user in others:
+            try:
+                self.users[user]
+            except Exception:
+                continue
+            return failure  # another user's examples load: this user's data are the problem
+        if not others:
+            return failure
+        tried = ", ".join(str(u) for u in [failure.user, *others])
+        return UserTrainingError(failure.round_number, failure.user, failure.user_id, failure.original,
+                                 not_the_users=f"the examples of users {tried} all fail to load")
+
     def _failure(self, examples: Sequence[UserExamples], work: LocalRound, error: Exception) -> UserTrainingError:
         """``error``, raised while training ``examples`` together, as the UserTrainingError of the first user whose
         training alone raises (found by training them one at a time from the same θ: an error path, nothing of it
-        is released); the first user when none does alone."""
+        is released); the first user when none does alone. It is marked as the task's failure (``not_the_users``)
+        when the users tried each fail alone and none trains (at least two, up to
+        :data:`FAILURES_TO_BLAME_THE_TASK`), or when every user trains alone and only training them together fails."""
+        failed: list[tuple[int, Exception]] = []
+        trained = False
         for user, data in examples if len(examples) > 1 else ():
             try:
                 contribution([(user, data)], work, vectorized=False)
+                trained = True
             except Exception as alone:
-                return UserTrainingError(work.round_index + 1, user, self.user_id(user), alone)
+                failed.append((user, alone))
+            if (trained and failed) or len(failed) == FAILURES_TO_BLAME_THE_TASK:
+                break
+        if failed:
+            user, alone = failed[0]
+            why = "" if trained or len(failed) < 2 else \
+                f"users {', '.join(str(u) for u, _ in failed)} each fail alone from the same model, and none trains"
+            return UserTrainingError(work.round_index + 1, user, self.user_id(user), alone, not_the_users=why)
         user = examples[0][0] if examples else -1
-        return UserTrainingError(work.round_index + 1, user, self.user_id(user), error)
+        why = "" if len(examples) < 2 else (f"each of the {len(examples)} users trains alone; only training them "
+                                            "together fails (the training path: client.training, client.chunk-size)")
+        return UserTrainingError(work.round_index + 1, user, self.user_id(user), error, not_the_users=why)

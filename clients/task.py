@@ -282,9 +282,17 @@ class Task:
     def num_users(self) -> int:
         return self.users.num_users
 
-    def build_model(self) -> nn.Module:
+    def build_model(self, seed: int | None = None) -> nn.Module:
         """A fresh model from the factory, checked (:func:`check_model`): a ``torch.nn.Module`` with at least one
-        trainable floating-point parameter and no running statistics."""
+        trainable floating-point parameter and no running statistics. With ``seed``, built with the global torch RNG
+        seeded to it (and restored afterwards): every process that builds it with the same seed holds the same
+        initial weights, frozen ones included (a ServerApp and its nodes: ``run.seed``)."""
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self.build_model()
         model = self.model()
         if not isinstance(model, nn.Module):
             raise ValueError(f"the model factory of task {self.name!r} returned a {type(model).__name__}, not a "
@@ -429,8 +437,10 @@ def load_task(target: str, options: Mapping[str, Any] | None = None) -> Task:
 
 
 def build_task(settings: Any, node_root: str | None = None) -> Task:
-    """The task of a run config's ``[task]`` section (``fed_dp.run_config.TaskSettings``): its factory called with
-    its options, and ``root`` = the node's own data folder (a SuperNode's ``data-root``) or ``task.root``."""
+    """The task of a run config's ``[task]`` section (``RunConfig.task``, a ``fed_dp.run_config.TaskSettings``):
+    its factory (:func:`load_task`) called with its options, and ``root`` = the node's own data folder (a
+    SuperNode's ``data-root``) or ``task.root``. A ServerApp: ``build_task(RunConfig.from_flat(context.run_config)
+    .task)``."""
     options = dict(settings.options)
     root = node_root or settings.root
     if root:
@@ -440,12 +450,9 @@ def build_task(settings: Any, node_root: str | None = None) -> Task:
 
 def seeded_model(task: Task, seed: int | None) -> nn.Module:
     """The task's model built with the global torch RNG seeded to ``seed`` (and restored afterwards); unseeded
-    for None. Processes that build it with the same seed hold the same initial weights, frozen ones included."""
-    if seed is None:
-        return task.build_model()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return task.build_model()
+    for None (:meth:`Task.build_model`). Processes that build it with the same seed hold the same initial weights,
+    frozen ones included."""
+    return task.build_model(seed)
 
 
 def initial_model(task: Task, seed: int) -> tuple[nn.Module, ParamLayout, torch.Tensor]:

@@ -4,12 +4,14 @@ fed-dp trains with user-level differential privacy on Flower and PyTorch.
 
 The public API, importable from here (loaded on first use, so ``import fed_dp`` stays light):
 
-    Bring your task                Task, Users, Examples, losses, evaluation, load_task
+    Bring your task                Task, Users, Examples, losses, evaluation, load_task, build_task
     Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer
     Simulate in this process       train -> TrainResult (TrainingStopped, with .result, when a user fails)
     Checkpoint folders             FolderInUseError (another run owns it), CheckpointWriteError (a write failed)
-    Run on Flower (server side)    UserLevelDP (a flwr Strategy), model_arrays, centralized_evaluation
-    Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users
+    Run on Flower (server side)    UserLevelDP (a flwr Strategy; UserLevelDP.from_run_config), model_arrays,
+                                   centralized_evaluation
+    Run on Flower (client side)    LocalTrainer, train_reply, query_reply, hosted_users; client_app (fed-dp's own
+                                   ClientApp, which answers with them)
     Account                        epsilon, epsilon_schedule, calibrate_noise_multiplier, resolve_privacy
 
 The package is layered; imports point down only (tests/test_architecture.py checks it). Each layer above the
@@ -37,7 +39,7 @@ Core modules (docs/explanation/mechanism.md):
     optimizers         server optimizers as pure transforms: DP-FedAvg/SGD, DP-Adam(BC/W/W-BC), IME, STP, AdaGrad
     moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation
     diagnostics        ν̂ / ν̂ − Φ̂ summaries and update alignment (the seeds' figures)
-    clip_hint          whether the clip norm ζ sits far above the released updates (costs no privacy)
+    clip_hint          whether the noise, sized by ζ, drowns released updates far under ζ (costs no privacy)
     context            simulation vs deployment; non-private baselines only in simulations
     contribution       RoundPlan (what a round broadcasts) and Contribution (what a node sends back)
     round              the one private round: init_server, begin_round, finish_round (every engine)
@@ -66,6 +68,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "Users": ("fed_dp.clients.task", "Users"),
     "Examples": ("fed_dp.clients.task", "Examples"),
     "load_task": ("fed_dp.clients.task", "load_task"),
+    "build_task": ("fed_dp.clients.task", "build_task"),
     "losses": ("fed_dp.clients.losses", None),
     "evaluation": ("fed_dp.clients.evaluation", None),
     "PrivacyConfig": ("fed_dp.config", "PrivacyConfig"),
@@ -91,6 +94,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "train_reply": ("fed_dp.clients.replies", "train_reply"),
     "query_reply": ("fed_dp.clients.replies", "query_reply"),
     "hosted_users": ("fed_dp.clients.replies", "hosted_users"),
+    "client_app": ("fed_dp.clients.app", "app"),
 }
 
 __all__ = sorted(_PUBLIC)

@@ -66,6 +66,9 @@ PLD_BYTES_PER_POINT = 100
 MAX_PLD_BYTES = 4 * 2**30
 #: Wall-clock seconds of one self-composition and ε per point, measured on 2 CPU cores (for messages only).
 PLD_SECONDS_PER_POINT = 2e-6
+#: A plan whose ε after T rounds exceeds this is warned about before round 1 (:func:`check_plan`): e^100 ≈ 2.7·10⁴³
+#: bounds no adversary's odds (σ = 1e-30 gave ε ≈ 2.75·10⁶⁰ without a word).
+MEANINGLESS_EPSILON = 100.0
 
 
 class _ExcludedRdpOrderFilter(logging.Filter):
@@ -659,6 +662,70 @@ def resolve_privacy(config: PrivacyConfig, num_users: int | None = None) -> Priv
         sigma = calibrate_noise_multiplier(config, config.target_epsilon)
         config = config.replace(target_epsilon=None, noise_multiplier=sigma)
     return config
+
+
+class WeakGuaranteeWarning(UserWarning):
+    """The plan runs, but its guarantee is weak or void: ε after T rounds above :data:`MEANINGLESS_EPSILON`, δ ≥ 1/N
+    (allowed by ``allow_large_delta``), or an ε budget that stops the run before its last round."""
+
+
+def rounds_within_budget(config: PrivacyConfig) -> int:
+    """How many rounds the ledger of ``config`` releases before its ``epsilon_budget`` refuses one (T without a
+    budget): the rounds whose schedule ε is within it, and, where a PLD schedule's upper bound is over it, those whose
+    exact ε is (as :meth:`PrivacyLedger.check_next_round` decides)."""
+    config.require_resolved("rounds_within_budget")
+    if config.epsilon_budget is None:
+        return config.rounds
+    schedule = epsilon_schedule(config)
+    allowed = bisect.bisect_right(schedule.epsilons, config.epsilon_budget)  # the schedule is nondecreasing
+    while (allowed < config.rounds and not _is_exact_round(schedule, allowed + 1)
+           and epsilon(config, allowed + 1) <= config.epsilon_budget):
+        allowed += 1
+    return allowed
+
+
+def check_plan(config: PrivacyConfig) -> None:
+    """Before round 1 (``fed_dp.round.init_server``, every engine): what the resolved plan promises, said once.
+
+    * An ``epsilon_budget`` below ε after the first round: the run could release nothing (ValueError).
+    * A budget below ε after T rounds: the run stops after k < T rounds (:class:`WeakGuaranteeWarning`, naming k).
+    * ε after T rounds above :data:`MEANINGLESS_EPSILON` (e.g. a σ of 1e-30): warned, with the ε.
+    * δ ≥ 1/N, which ``PrivacyConfig`` refuses unless ``allow_large_delta``: warned, naming N.
+
+    The ε schedule it reads is the one the ledger uses (memoized): nothing is computed twice. The non-private
+    baseline (σ = 0) has its own warning in the round loop."""
+    config.require_resolved("the plan check")
+    if config.non_private:
+        return
+    planned = epsilon_schedule(config).at(config.rounds)
+    budget = config.epsilon_budget
+    if budget is not None and planned > budget:
+        allowed = rounds_within_budget(config)
+        if allowed == 0:
+            raise ValueError(
+                f"epsilon_budget (privacy.epsilon-budget) = {budget:g} is below epsilon after round 1 "
+                f"({epsilon_schedule(config).at(1):.4g} at delta {config.delta:g}, sigma {config.noise_multiplier:.4g}): "
+                "the run could release no round at all. Raise the budget, or give target_epsilon "
+                "(privacy.target-epsilon) at most the budget to calibrate sigma for it; nothing was run")
+        warnings.warn(
+            f"epsilon_budget (privacy.epsilon-budget) = {budget:g} stops this run after round {allowed} of "
+            f"{config.rounds}: epsilon after all {config.rounds} rounds would be {planned:.4g} (sigma "
+            f"{config.noise_multiplier:.4g}, delta {config.delta:g}). To train every round within it, give "
+            "target_epsilon (privacy.target-epsilon) = the budget instead of a noise multiplier, or plan "
+            f"rounds = {allowed}", WeakGuaranteeWarning, stacklevel=3)
+    if planned > MEANINGLESS_EPSILON:
+        warnings.warn(
+            f"this plan's user-level epsilon after {config.rounds} rounds is {planned:.4g} at delta {config.delta:g} "
+            f"(sigma {config.noise_multiplier:.4g}): above {MEANINGLESS_EPSILON:g}, a bound e^epsilon on anyone's "
+            "odds means nothing. Raise noise_multiplier (privacy.noise-multiplier) or give target_epsilon "
+            "(privacy.target-epsilon); for a non-private baseline say so with noise_multiplier = 0 (simulations only)",
+            WeakGuaranteeWarning, stacklevel=3)
+    if not config.delta < 1 / config.num_users:
+        warnings.warn(
+            f"delta = {config.delta:g} is not below 1/N = {1 / config.num_users:.4g} (N = {config.num_users} users), "
+            "allowed by allow_large_delta: a mechanism that publishes each user's whole data with probability "
+            "delta meets this (epsilon, delta), so the reported epsilon does not protect every user",
+            WeakGuaranteeWarning, stacklevel=3)
 
 
 def _is_exact_round(schedule: EpsilonSchedule, rounds: int) -> bool:

@@ -30,11 +30,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from fed_dp.config import PrivacyConfig
-from fed_dp.randomness import add_on_grid, grid_step, make_noise_source
 from fed_dp.validation import check_int
+
+# torch and the noise sources (fed_dp.randomness) are imported by the clipper that uses them: the run configuration
+# reads AdaptiveClipConfig's defaults without loading torch, so that a mistyped key is reported at once.
 
 
 #: σ_b's default is at least this many σ (:func:`default_bit_noise_std`).
@@ -120,6 +120,8 @@ class AdaptiveClipper:
         self.config = config
         self.expected_cohort = expected_cohort
         self.clip_norm = float(config.initial_clip_norm)
+        from fed_dp.randomness import make_noise_source
+
         self._source = make_noise_source(source, seed)
 
     @property
@@ -135,6 +137,10 @@ class AdaptiveClipper:
         not σ_b times any float32)."""
         if not 0 <= bit_sum <= count:
             raise ValueError(f"bit_sum must be in [0, count = {count}], got {bit_sum}")
+        import torch
+
+        from fed_dp.randomness import add_on_grid, grid_step
+
         std = self.config.bit_noise_std
         centered = torch.tensor([bit_sum - count / 2], dtype=torch.float64)
         return float(add_on_grid(centered, std * self._source.normal(1, torch.float64), grid_step(std))[0])

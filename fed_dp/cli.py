@@ -48,7 +48,10 @@ def _add_mechanism_arguments(parser: argparse.ArgumentParser, *, with_noise_mult
             "--noise-multiplier", type=float, required=True, metavar="S",
             help="sigma: noise std on the sum of clipped updates divided by the clip norm",
         )
-    group.add_argument("--delta", type=float, required=True, metavar="D", help="delta of (epsilon, delta)")
+    group.add_argument("--delta", type=float, required=True, metavar="D", help="delta of (epsilon, delta), below 1/N")
+    group.add_argument("--allow-large-delta", action="store_true",
+                       help="accept a delta of at least 1/N (refused otherwise: it lets a mechanism publish a whole "
+                       "user's data)")
     group.add_argument("--sampler", choices=SAMPLERS, default=PRIVACY_DEFAULTS["privacy.sampler"], help=_SAMPLER_HELP)
     group.add_argument(
         "--noise", choices=NOISES, default=PRIVACY_DEFAULTS["privacy.noise"],
@@ -85,6 +88,7 @@ def _config(args: argparse.Namespace, noise_multiplier: float) -> PrivacyConfig:
         rounds=args.rounds,
         noise_multiplier=noise_multiplier,
         delta=args.delta,
+        allow_large_delta=args.allow_large_delta,
         sampler=args.sampler,
         noise=args.noise,
         bands=args.bands,

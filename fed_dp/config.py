@@ -34,6 +34,11 @@ WORKLOADS = ("prefix-sum", "momentum")
 SEPARATED_SAMPLERS = ("cyclic-poisson", "min-sep")
 
 
+def _delta_below(num_users: int) -> float:
+    """A conventional δ for N users: the largest power of ten at most 1/(10·N)."""
+    return 10.0 ** math.floor(math.log10(1 / (10 * num_users)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
     """The user-level DP mechanism of one training run (docs/explanation/mechanism.md).
@@ -48,7 +53,11 @@ class PrivacyConfig:
         target_epsilon: instead of σ, the user-level ε the whole run should have at ``delta``; σ is then
             calibrated with dp_accounting when the config is resolved (give one of the two).
         clip_norm: ζ, L2 bound on one user's whole contribution.
-        delta: δ of the reported (ε, δ); conventionally below 1/N.
+        delta: δ of the reported (ε, δ); below 1/N. δ ≥ 1/N is refused once N is known: a mechanism that publishes
+            each user's whole data with probability δ is (0, δ)-DP, so such a δ lets about δ·N ≥ 1 users' data be
+            released and the reported ε bounds nothing.
+        allow_large_delta: accept δ ≥ 1/N anyway (a research replication at a small N); the run then warns,
+            naming the population.
         sampler: ``poisson`` (rate q = B/N), ``without-replacement`` (exactly B of N), ``all``
             (every user every round; B must equal N), ``cyclic-poisson`` (users hashed into b groups,
             round t samples group t mod b at rate q_b = B·b/N), ``min-sep`` (deterministic: users split
@@ -72,6 +81,8 @@ class PrivacyConfig:
     rounds: int = setting(help="T: server rounds the accounting plans for", config_default=5)
     delta: float = setting(help="δ of (ε, δ); choose below 1/N", config_default=1e-5)
     num_users: int | None = setting(None, help="N; unset: the task's number of users (if set, it must equal it)")
+    allow_large_delta: bool = setting(False, help="accept delta >= 1/N (refused otherwise: with such a delta a "
+                                      "mechanism may publish a whole user's data; a run then warns, naming N)")
     noise_multiplier: float | None = setting(None, help="σ: noise std on the sum of clipped updates / ζ (1.0 when "
                                              "neither σ nor target-epsilon is given; 0: a non-private baseline, no noise, ε "
                                              "infinite)")
@@ -149,6 +160,14 @@ class PrivacyConfig:
                 _is_real(self.epsilon_budget) and self.epsilon_budget > 0,
                 f"epsilon_budget must be a finite number > 0 or None, got {self.epsilon_budget!r}",
             )
+            _require(
+                self.target_epsilon is None or self.target_epsilon <= self.epsilon_budget,
+                f"target_epsilon = {self.target_epsilon!r} is above epsilon_budget = {self.epsilon_budget!r}: σ "
+                "would be calibrated to spend the target over all the rounds, and the budget would stop the run "
+                "part-way, as if it were done. Lower target_epsilon to at most the budget, or raise epsilon_budget",
+            )
+        _require(isinstance(self.allow_large_delta, bool),
+                 f"allow_large_delta must be true or false, got {self.allow_large_delta!r}")
         _require(
             _is_real(self.momentum) and 0 <= self.momentum < 1,
             f"momentum must be in [0, 1), got {self.momentum!r}",
@@ -214,6 +233,15 @@ class PrivacyConfig:
             )
         if self.num_users is None:
             return  # the checks below need N; they run when the population is filled in
+        _require(
+            self.allow_large_delta or self.delta < 1 / self.num_users,
+            f"privacy.delta = {self.delta:g} is not below 1/N = {1 / self.num_users:.4g} (N = {self.num_users} "
+            "users): a mechanism that publishes each user's whole data with probability delta satisfies (0, delta)-DP, "
+            f"so this delta would let about {self.delta * self.num_users:.3g} users' data be released and the reported "
+            f"epsilon would bound nothing. Choose privacy.delta below 1/N (e.g. {_delta_below(self.num_users):g}), "
+            "or set privacy.allow-large-delta = true (Python: PrivacyConfig.allow_large_delta) to run anyway; the run then "
+            "warns, naming the population",
+        )
         if sampler == "all":
             _require(
                 self.expected_cohort == self.num_users,

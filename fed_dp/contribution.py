@@ -45,9 +45,17 @@ class RoundPlan:
 
 class UserTrainingError(RuntimeError):
     """Loading or training one user failed: the message names the round (1-based, as the logs count) and the user
-    (sampler index, and the user's id when it differs); the original error is the ``__cause__``."""
+    (sampler index, and the user's id when it differs); the original error is ``original`` (and, where it is
+    raised from it, the ``__cause__``).
 
-    def __init__(self, round_number: int, user: int, user_id: Hashable, cause: BaseException) -> None:
+    ``not_the_users`` is empty when the failure is that user's (other users load and train); otherwise it says why
+    the failure is the task's or the settings' rather than any one user's data (every user tried fails alone, or
+    each trains alone and only training them together fails): the round loop then reports a configuration error
+    (ValueError) when it happens before the first release, instead of stopping a run."""
+
+    def __init__(self, round_number: int, user: int, user_id: Hashable, cause: BaseException, *,
+                 not_the_users: str = "") -> None:
         self.round_number, self.user, self.user_id = round_number, user, user_id
+        self.original, self.not_the_users = cause, not_the_users
         who = f"user {user}" + (f" (id {user_id!r})" if user_id != user else "")
         super().__init__(f"round {round_number}, {who}: {type(cause).__name__}: {cause}")

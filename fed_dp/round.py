@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fed_dp.accounting import BudgetExceededError, PrivacyLedger
+from fed_dp.accounting import PrivacyLedger, check_plan
 from fed_dp.adaptive_clipping import AdaptiveClipConfig, AdaptiveClipper, check_compatible, update_noise_multiplier
 from fed_dp.aggregation import average_noise_variance, private_average, unscale
 from fed_dp.clipping import clip_vector
@@ -135,11 +135,15 @@ def init_server(
     With ``adaptive_clipping`` (independent noise only) the clip norm follows the noisy clip bits of every
     round and the update noise uses σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the pair costs one Gaussian
     with multiplier σ and the accounting is unchanged (fed_dp.adaptive_clipping).
+
+    The plan is checked first (``fed_dp.accounting.check_plan``): a budget that could release no round is refused,
+    and a budget that stops the run early, an ε too large to mean anything or an allowed δ ≥ 1/N are warned about.
     """
     if params.ndim != 1 or not params.dtype.is_floating_point:
         raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
     config.require_resolved("init_server")
-    _check_magnitudes(config, params.dtype)
+    _check_magnitudes(config, params.dtype)  # values the arithmetic cannot hold, before any accounting of them
+    check_plan(config)
     params = params.detach().to(device).clone()
     dim = params.numel()
     derived = (lambda purpose: None) if seed is None else (lambda purpose: derive_seed(seed, purpose))
@@ -159,7 +163,6 @@ def init_server(
         clipper = AdaptiveClipper(adaptive_clipping, config.expected_cohort, source=noise_source,
                                   seed=derived("adaptive-clipping") if noise_source == "torch" else None)
     ledger = PrivacyLedger(config)
-    _check_budget(ledger)
     return ServerState(
         config=config,
         optimizer=optimizer,
@@ -206,22 +209,6 @@ def _check_magnitudes(config: PrivacyConfig, dtype: torch.dtype) -> None:
                 f"the noise std σζ = {sigma:g} × {clip:g} = {sigma * clip:g} (privacy.noise-multiplier × "
                 f"privacy.clip-norm) is outside the range the noise can be drawn in ({error}). {advice}; σ = 0 is the "
                 "non-private baseline") from error
-
-
-def _check_budget(ledger: PrivacyLedger) -> None:
-    """Refuse, before any round, an ε budget that the first round alone exceeds: the run would release nothing and
-    return as if done (a configuration mistake, found here as a ``ValueError``)."""
-    if ledger.config.epsilon_budget is None:
-        return
-    try:
-        ledger.check_next_round()
-    except BudgetExceededError as refusal:
-        config = ledger.config
-        raise ValueError(
-            f"epsilon_budget = {config.epsilon_budget:g} (privacy.epsilon-budget) is below the ε of the first round "
-            f"alone ({ledger.epsilon_if_next_round():.4g} at δ = {config.delta:g}, σ = {config.noise_multiplier:g}): no round "
-            "could run. Raise the budget, or plan more noise (a larger privacy.noise-multiplier, or a "
-            "privacy.target-epsilon within the budget)") from refusal
 
 
 def begin_round(state: ServerState) -> RoundPlan:

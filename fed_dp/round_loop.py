@@ -119,10 +119,17 @@ def _exchange_or_stop(exchange: Callable[[], "RoundReplies"], state: ServerState
                       checkpoint_dir: str | Path | None) -> "RoundReplies":
     """``exchange()`` (the round's exchange, bound to its plan); a user who failed to load or train stops the run
     (:class:`TrainingStopped`) rather than releasing a round without that user's contribution or repeating the
-    failure round after round."""
+    failure round after round. A failure that is not any one user's (``UserTrainingError.not_the_users``: the task's
+    loss, model or data loader, or the training path, fail for every user tried) before the first release is a
+    configuration error: a ValueError, with the original error as its cause, as the other configuration errors."""
     try:
         return exchange()
     except UserTrainingError as failure:
+        if failure.not_the_users and state.round == 0:
+            raise ValueError(
+                f"the task does not train: {failure} ({failure.not_the_users}). It is not one user's data but the "
+                "task's model, loss or data loading, or the local training settings (local.*, client.training); fix "
+                "them and run again. Nothing was released and no privacy budget was spent") from failure.original
         raise TrainingStopped(failure, state, records, checkpoint_dir) from failure
 
 
@@ -348,7 +355,7 @@ def _rounds(state: ServerState, exchange: Any, rounds: int, evaluate: Any, eval_
             publisher.publish(state, metrics)
             phase("published", plan.round + 1)
             if hint is not None and "noised_average_norm" in metrics:
-                advice = hint.observe(metrics["noised_average_norm"])
+                advice = hint.observe(metrics["noised_average_norm"], metrics["round"])
                 if advice is not None:
                     log.warning("%s", advice)
     finally:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import functools
 import importlib.metadata
 import json
@@ -35,17 +36,28 @@ import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
-from fed_dp.optimizers import OPTIMIZERS, ServerOptimizer, make_optimizer
 from fed_dp.schema import UNSET, Key, keys_of, setting
 from fed_dp.validation import check_seed
 from fed_dp.validation import is_int as _integer
 from fed_dp.validation import is_real as _real
 from fed_dp.validation import require as _check
+
+if TYPE_CHECKING:
+    from fed_dp.optimizers import ServerOptimizer
+
+# Nothing here imports torch (fed_dp.optimizers is imported when an optimizer is built): a command checks the keys of
+# its config (check_names) before it loads PyTorch, so a mistyped key is reported at once.
+
+#: The server optimizers by name, the choices of ``optimizer.name``: the keys of ``fed_dp.optimizers.OPTIMIZERS``, written
+#: here too so that this schema loads without torch (tests/fed_dp/test_run_config.py checks that they are the same).
+OPTIMIZER_NAMES = ("dp-fedavg", "dp-sgd", "dp-sgdm", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-adam-ime",
+                   "dp-adam-stp", "noiseless-adam", "noiseless-adam-stp", "dp-adagrad", "dp-adagrad-bc",
+                   "dp-adagrad-ime", "noiseless-adagrad")
 
 #: The entry-point group of tasks by short name (``task.ref = "heavy-tail"``): fed-dp's own built-in tasks
 #: (``fed_dp.simulations.tasks.builtin``, declared in pyproject.toml's ``[project.entry-points."fed_dp.tasks"]``)
@@ -112,7 +124,7 @@ class OptimizerSettings:
     """The server optimizer: a name of :data:`fed_dp.optimizers.OPTIMIZERS` and the hyper-parameters given (an
     unset one keeps the optimizer's own default)."""
 
-    name: str = setting("dp-adam", help="server optimizer (docs/explanation/server-optimizers.md)", choices=tuple(OPTIMIZERS))
+    name: str = setting("dp-adam", help="server optimizer (docs/explanation/server-optimizers.md)", choices=OPTIMIZER_NAMES)
     lr: float | None = setting(None, help="η (unset: the optimizer's default)")
     beta1: float | None = setting(None, help="β₁ of the Adam variants")
     beta2: float | None = setting(None, help="β₂ of the Adam variants")
@@ -125,7 +137,9 @@ class OptimizerSettings:
     stp_eps: float | None = setting(None, help="ε_s of scale-then-privatize")
 
     def __post_init__(self) -> None:
-        self.build()  # validates the name and every hyper-parameter now, before anything runs
+        _check(self.name in OPTIMIZER_NAMES, f"unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
+        if self.options:
+            self.build()  # validates every hyper-parameter now, before anything runs (this loads torch)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -135,6 +149,8 @@ class OptimizerSettings:
 
     def build(self) -> ServerOptimizer:
         """The optimizer (non-private baselines are built as simulations; deployments refuse them)."""
+        from fed_dp.optimizers import make_optimizer
+
         with simulation():
             return make_optimizer(self.name, **self.options)
 
@@ -176,6 +192,9 @@ class ServerSettings:
     noise_source: str = setting("auto", help="Gaussian noise from secure (AES-CTR keyed from OS entropy) or torch "
                                 "(a seeded generator, reproducible); auto: secure in a Flower run without "
                                 "FED_DP_SERVER_SEED, else torch", choices=NOISE_SOURCES)
+    allow_unreported_model: bool = setting(False, help="use nodes whose ClientApp does not report its model "
+                                           "(fed_dp.query_reply without model=) unchecked; refused before round 1 "
+                                           "otherwise")
 
     def __post_init__(self) -> None:
         for name in ("reply_timeout", "node_wait"):
@@ -187,6 +206,8 @@ class ServerSettings:
                    f"got {value!r}")
         _check(self.noise_source in NOISE_SOURCES,
                f"server.noise-source must be {', '.join(NOISE_SOURCES)}, got {self.noise_source!r}")
+        _check(isinstance(self.allow_unreported_model, bool),
+               f"server.allow-unreported-model must be true or false, got {self.allow_unreported_model!r}")
 
 
 def resolve_noise_source(chosen: str, *, flower_run: bool, seeded: bool) -> str:
@@ -272,10 +293,7 @@ class RunConfig:
         """Parse nested tables (a TOML document): unknown tables or keys, wrong types and bad values are errors
         that name the key; absent keys take their defaults."""
         tables = {name: dict(value) if isinstance(value, Mapping) else value for name, value in tables.items()}
-        unknown = sorted(set(tables) - set(TABLES))
-        _check(not unknown, f"unknown config table(s) {unknown}; tables are {', '.join(TABLES)}")
-        for name, value in tables.items():
-            _check(isinstance(value, dict), f"[{name}] must be a table of keys, got {value!r}")
+        check_names(tables)
         values = {table: _table_values(table, tables.get(table, {})) for table in TABLES if table != "task"}
         privacy = _privacy(values["privacy"])
         return cls(
@@ -308,13 +326,36 @@ def _typed(key: Key, value: Any) -> Any:
     return float(value) if key.kind is float else value
 
 
+def _closest(name: str, known: Sequence[str]) -> str:
+    """" (did you mean X?)" for the known name closest to a mistyped one, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def unknown_names(given: Sequence[str], known: Sequence[str], what: str, listing: str) -> None:
+    """A ValueError naming each of ``given`` that is not ``known`` (with the closest known name) and ``listing``."""
+    unknown = [name for name in given if name not in known]
+    _check(not unknown, f"unknown {what} {', '.join(name + _closest(name, known) for name in unknown)}; {listing}")
+
+
+def check_names(tables: Mapping[str, Any]) -> None:
+    """Every table and key of a config (nested tables, as TOML reads them) is one of the schema, else a ValueError
+    naming the unknown ones, each with the closest known name. ``[task]`` is open (its other keys are the task's
+    arguments). Names only, no values; nothing here loads torch, so a command checks its config's names first and
+    a mistyped key is reported at once (``fed-dp simulate --set``)."""
+    unknown_names(list(tables), TABLES, "config table(s)", f"tables are {', '.join(TABLES)}")
+    for table, given in tables.items():
+        _check(isinstance(given, Mapping), f"[{table}] must be a table of keys, got {given!r}")
+        if table != "task":
+            known = [key.name for key in KEYS if key.table == table]
+            unknown_names([f"{table}.{name}" for name in given], [f"{table}.{name}" for name in known], "key(s)",
+                          f"[{table}] has {', '.join(known)} (docs/reference/configuration.md)")
+
+
 def _table_values(table: str, given: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of one table as Python fields: given values typed, absent keys at their defaults, and optional
     keys holding :data:`~fed_dp.schema.UNSET` ("") unset (None)."""
     keys = {key.name: key for key in KEYS if key.table == table}
-    unknown = sorted(set(given) - set(keys))
-    _check(not unknown, f"unknown key(s) {', '.join(f'{table}.{k}' for k in unknown)}; [{table}] has "
-           f"{', '.join(keys)}")
     values: dict[str, Any] = {}
     for name, key in keys.items():
         if name not in given or (key.optional and given[name] == UNSET):
@@ -462,7 +503,7 @@ def apply_overrides(tables: Mapping[str, Any], overrides: Sequence[str]) -> dict
             value = raw
         *path, name = dotted.split(".")
         _check(path[0] in TABLES + ("optimizers",),
-               f"--set {dotted}: unknown table {path[0]!r}; tables are {', '.join(TABLES)}")
+               f"--set {dotted}: unknown table {path[0]!r}{_closest(path[0], TABLES)}; tables are {', '.join(TABLES)}")
         target = tables
         for table in path:
             target = target.setdefault(table, {})

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,13 +75,30 @@ from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
 from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
-from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
+from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, RunConfig, resolve_noise_source
 from fed_dp.run_setup import describe_run
 from fed_dp.validation import check_seed
 
 log = logging.getLogger("fed_dp.server")
 
-__all__ = ["DPResult", "UserLevelDP", "centralized_evaluation", "configure_logging", "model_arrays"]
+__all__ = ["DPResult", "SERVER_SEED_VARIABLE", "UserLevelDP", "centralized_evaluation", "configure_logging",
+           "model_arrays", "server_seed"]
+
+
+#: The environment variable of the ServerApp's process that seeds the sampler and the noise (never the run config,
+#: which every ClientApp receives).
+SERVER_SEED_VARIABLE = "FED_DP_SERVER_SEED"
+
+
+def server_seed(environ: Mapping[str, str]) -> int | None:
+    """The seed of the sampler and the noise from ``FED_DP_SERVER_SEED`` (None when unset or empty: OS entropy)."""
+    text = environ.get(SERVER_SEED_VARIABLE, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{SERVER_SEED_VARIABLE}={text!r} must be an integer >= 0 (the seed of the sampler and "
+                         "the noise of a research run); unset it for OS entropy")
+    return check_seed(SERVER_SEED_VARIABLE, int(text))
 
 
 def configure_logging() -> None:
@@ -198,6 +216,12 @@ class UserLevelDP(Strategy):
     and records its optimizer, ``training_seed``, model, noise source, adaptive clipping and ``local`` there: a
     resume that changes any of them, or the privacy configuration, is refused before round 1
     (``fed_dp.run_setup``).
+    allow_unreported_model: a node whose ClientApp does not report its model (``query_reply`` without ``model=``)
+        is refused before round 1 (``fed_dp.server.membership.ModelNotReportedError``): the server could not check
+        that it trains the server's model. True: such nodes are used unchecked, with a warning
+        (``server.allow-unreported-model``).
+
+    :meth:`from_run_config` builds the strategy of a run configuration, as fed-dp's own ServerApp does.
     """
 
     def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name, *,
@@ -206,7 +230,8 @@ class UserLevelDP(Strategy):
                  eval_every: int = RUN_DEFAULTS.eval_every, max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
                  min_nodes: int = SERVER_DEFAULTS.min_nodes, node_wait: float = SERVER_DEFAULTS.node_wait,
                  on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str = SERVER_DEFAULTS.noise_source,
-                 frozen: nn.Module | list[str] | None = None, local: LocalTraining | None = None) -> None:
+                 frozen: nn.Module | list[str] | None = None, local: LocalTraining | None = None,
+                 allow_unreported_model: bool = SERVER_DEFAULTS.allow_unreported_model) -> None:
         super().__init__()
         if not isinstance(privacy, PrivacyConfig):
             raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
@@ -234,6 +259,9 @@ class UserLevelDP(Strategy):
             raise ValueError(f"frozen must be the run's torch.nn.Module (or its protocol.frozen_fingerprint), got "
                              f"{type(frozen).__name__}")
         self.frozen = protocol.frozen_fingerprint(frozen) if isinstance(frozen, nn.Module) else list(frozen or [])
+        if not isinstance(allow_unreported_model, bool):
+            raise ValueError(f"allow_unreported_model must be True or False, got {allow_unreported_model!r}")
+        self.allow_unreported_model = allow_unreported_model
         self.state: ServerState | None = None
         self.layout: ParamLayout | None = None
         self.membership: Membership | None = None
@@ -246,6 +274,33 @@ class UserLevelDP(Strategy):
         self.client_seed = derive_seed(shared, "local-training") if shared is not None else entropy_seed()
         self._pending: _Pending | None = None
         self._driven: tuple[RoundPlan, Aggregate] | None = None  # set by start around its configure_train call
+
+    @classmethod
+    def from_run_config(cls, run: RunConfig, num_users: int, *, frozen: nn.Module | None = None,
+                        environ: Mapping[str, str] | None = None) -> "UserLevelDP":
+        """The strategy of a run configuration (``fed_dp.RunConfig``: ``[privacy]``, ``[optimizer]``, ``[adaptive]``,
+        ``[server]``, ``run.seed``, ``run.eval-every``) for a task of ``num_users`` users, as fed-dp's own ServerApp
+        builds it; called on a subclass, an instance of that subclass.
+
+        Seeds: ``run.seed`` reaches every ClientApp (it is in the run config), so it seeds only the clients' local
+        training; the sampler and the noise take :func:`server_seed` of ``environ`` (default ``os.environ``):
+        ``FED_DP_SERVER_SEED`` on the server's machine for a reproducible research run, else OS entropy.
+        ``frozen``: the run's model, when it has frozen parameters (see the class)."""
+        if not isinstance(run, RunConfig):
+            raise ValueError(f"run must be a fed_dp.RunConfig (RunConfig.from_flat(context.run_config)), got "
+                             f"{type(run).__name__}")
+        privacy = run.privacy if run.privacy.num_users is not None else run.privacy.replace(num_users=num_users)
+        if privacy.num_users != num_users:
+            raise ValueError(f"privacy.num-users = {privacy.num_users} but the task has {num_users} users")
+        return cls(
+            privacy, run.optimizer.build(),
+            adaptive_clipping=run.adaptive.build(privacy),
+            seed=server_seed(os.environ if environ is None else environ), training_seed=run.run.seed,
+            checkpoint_dir=run.server.checkpoint_dir, eval_every=run.run.eval_every,
+            max_empty_rounds=run.server.max_empty_rounds, min_nodes=run.server.min_nodes,
+            node_wait=run.server.node_wait, noise_source=run.server.noise_source, frozen=frozen, local=run.local,
+            allow_unreported_model=run.server.allow_unreported_model,
+        )
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def _initialize(self, arrays: ArrayRecord) -> None:
@@ -266,7 +321,8 @@ class UserLevelDP(Strategy):
     def _ensure_users(self, grid: Grid, timeout: float) -> None:
         """Discover the nodes and their users once (``fed_dp.server.membership``)."""
         if self.membership is None:
-            membership = Membership(self.state.config.num_users, query_timeout=timeout, model=self._fingerprint())
+            membership = Membership(self.state.config.num_users, query_timeout=timeout, model=self._fingerprint(),
+                                    allow_unreported=self.allow_unreported_model)
             membership.start(grid, self.min_nodes, self.node_wait, probe=probe_size(grid))
             self.membership = membership
 

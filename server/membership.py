@@ -51,6 +51,12 @@ class ModelMismatchError(ValueError):
     so no round is sampled and no budget spent."""
 
 
+class ModelNotReportedError(ModelMismatchError):
+    """A node answered the user query without its model (``fed_dp.query_reply`` without ``model=``), so the server
+    cannot check that it trains the server's model: refused before round 1 unless the strategy allows it
+    (``allow_unreported_model``)."""
+
+
 class NotEnoughNodesError(RuntimeError):
     """Fewer than ``server.min-nodes`` nodes stayed connected for longer than ``server.node-wait``."""
 
@@ -111,12 +117,15 @@ class Membership:
 
     ``num_users``: N (answers must name users in 0..N−1); ``query_timeout``: seconds to wait for answers to
     the user query; ``model``: the server's model fingerprint (``protocol.model_fingerprint``): a node that
-    reports another is refused (:meth:`_check_model`).
+    reports another is refused (:meth:`_check_model`), and so is a node that reports none unless
+    ``allow_unreported`` (then it is used unchecked, with a warning).
     """
 
-    def __init__(self, num_users: int, query_timeout: float, model: Sequence[str] | None = None) -> None:
+    def __init__(self, num_users: int, query_timeout: float, model: Sequence[str] | None = None, *,
+                 allow_unreported: bool = False) -> None:
         self.num_users, self.query_timeout = num_users, query_timeout
         self.model = None if model is None else list(model)
+        self.allow_unreported = allow_unreported
         self._unchecked = False  # a node answered without its model fingerprint (warned once)
         self.nodes: dict[str, Node] = {}
         self.owner: dict[int, str] = {}  # user → node name
@@ -219,26 +228,37 @@ class Membership:
         """Whether the node's model (its fingerprint in the reply) is the server's. A mismatch raises
         :class:`ModelMismatchError` at the start (before any round: no budget spent), naming the node and the first
         parameter that differs; later the node is logged and not used. A reply without a fingerprint (a ClientApp
-        that does not pass ``model`` to ``query_reply``) is accepted, with a warning once."""
+        that does not pass ``model`` to ``query_reply``) is refused the same way (:class:`ModelNotReportedError`),
+        unless ``allow_unreported``: then it is accepted, with a warning once."""
         if self.model is None:
             return True
         fingerprint = protocol.node_fingerprint(reply)
-        if fingerprint is None:
+        name = protocol.node_name(reply) or (f"users {format_users(hosted)}" if hosted else "a virtual node")
+        if fingerprint is None and self.allow_unreported:
             if not self._unchecked:
                 self._unchecked = True
-                log.warning("node id %d did not report its model in its answer to the user query, so the server "
-                            "cannot check before round 1 that it trains the same model; pass model= to "
-                            "fed_dp.query_reply", node_id)
+                log.warning("node id %d did not report its model in its answer to the user query; it is used "
+                            "unchecked (allow_unreported_model), so a node that trains another model would spend "
+                            "rounds of budget on noise alone", node_id)
             return True
-        why = protocol.fingerprint_mismatch(self.model, fingerprint)
-        if why is None:
-            return True
-        name = protocol.node_name(reply) or (f"users {format_users(hosted)}" if hosted else "a virtual node")
-        message = (f"node id {node_id} ({name}) trains another model than the server's: {why}. The ClientApp and "
-                   "the ServerApp must build the same model (the Strategy's initial arrays are its named parameters)")
+        if fingerprint is None:
+            error: ModelMismatchError = ModelNotReportedError(
+                f"node id {node_id} ({name}) did not report its model in its answer to the user query (its ClientApp "
+                "calls fed_dp.query_reply without model=), so the server cannot check that it trains the server's "
+                "model: a node with another model would spend rounds of budget on noise alone. Pass the node's "
+                "model to query_reply (query_reply(msg, users, model=trainer.model); fed-dp's own ClientApp does), or "
+                "run such nodes unchecked with UserLevelDP(..., allow_unreported_model=True) (run config: "
+                "server.allow-unreported-model = true)")
+        else:
+            why = protocol.fingerprint_mismatch(self.model, fingerprint)
+            if why is None:
+                return True
+            error = ModelMismatchError(
+                f"node id {node_id} ({name}) trains another model than the server's: {why}. The ClientApp and the "
+                "ServerApp must build the same model (the Strategy's initial arrays are its named parameters)")
         if at_start:
-            raise ModelMismatchError(message + "; no round was sampled and no privacy budget was spent")
-        log.error("%s; it is not used", message)
+            raise type(error)(f"{error}; no round was sampled and no privacy budget was spent")
+        log.error("%s; it is not used", error)
         return False
 
     def _note_virtual(self, node_id: int, nodes: int | None, *, at_start: bool) -> None:

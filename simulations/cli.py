@@ -19,6 +19,7 @@ task at user-level ε = 4.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -57,19 +58,21 @@ def _setting_up(what: str, step: Callable[[], Any]) -> Any:
 
 
 def _run_simulation(args: argparse.Namespace) -> None:
+    from fed_dp.simulations.experiments.config_files import DEFAULT_CONFIG
+
+    # A task of the user's own starts from the run configuration's defaults unless a config is named too: the
+    # built-in default config is for its own task. Its names are checked before torch loads (_simulation_config).
+    config = _setting_up("reading the config", lambda: _simulation_config(args))
+    out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
+    if not args.quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+        print(_starting_line(args, config), flush=True)  # before PyTorch loads: seconds on a cold machine
+
     from fed_dp.atomic import reporting_writes
     from fed_dp.clients.task import build_task
     from fed_dp.round_loop import TrainingStopped
     from fed_dp.simulations.experiments.plots import plot_all
-    from fed_dp.simulations.experiments.runner import (DEFAULT_CONFIG, format_table, parse_experiment, read_results,
-                                                        run_experiment)
+    from fed_dp.simulations.experiments.runner import format_table, parse_experiment, read_results, run_experiment
 
-    # A task of the user's own starts from the run configuration's defaults unless a config is named too: the
-    # built-in default config is for its own task.
-    config = _setting_up("reading the config", lambda: _simulation_config(args))
-    if getattr(args, "optimizers", None):
-        config.setdefault("run", {})["optimizers"] = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    out = _out_dir(args, args.config or (args.task.rpartition(":")[2] if args.task else DEFAULT_CONFIG))
     experiment = _setting_up("checking the config", lambda: parse_experiment(config))
     task = _setting_up("building the task", lambda: build_task(experiment.base.task))
     workers = _join_torchrun(experiment.base.client.device)
@@ -102,6 +105,18 @@ def _run_simulation(args: argparse.Namespace) -> None:
         leave_torchrun()
 
 
+def _starting_line(args: argparse.Namespace, config: dict) -> str:
+    """The first line a run prints, from the config alone (nothing heavy loaded yet): what runs, and what comes next."""
+    from fed_dp.run_config import DEFAULTS
+
+    names = (config.get("run") or {}).get("optimizers") or [(config.get("optimizer") or {}).get(
+        "name", DEFAULTS["optimizer.name"])]
+    rounds = (config.get("privacy") or {}).get("rounds", DEFAULTS["privacy.rounds"])
+    what = args.config or (f"task {args.task}" if args.task else "the main job (simulations/configs/main-job.toml)")
+    return (f"fed-dp {args.command}: {what}: {', '.join(map(str, names))}, {rounds} rounds each. Loading PyTorch and "
+            "building the task ...")
+
+
 def _stopped_line(command: str, stop: Any, out: Path) -> str:
     """One line for a run that a user's failure stopped (``fed_dp.round_loop.TrainingStopped``): the round and the
     user, what was released, and where the model after the last released round and the records are."""
@@ -127,8 +142,11 @@ def _join_torchrun(device: str):
 
 def _simulation_config(args: argparse.Namespace) -> dict:
     """The config of ``simulate``/``compare``/``audit``: a named or built-in config, or with ``--task`` the run
-    configuration's defaults and the user's task (importable from the current folder); then ``--set``."""
-    from fed_dp.simulations.experiments.runner import apply_overrides, load_config
+    configuration's defaults and the user's task (importable from the current folder); then ``--set`` (and
+    ``compare``'s ``--optimizers``). Its names are checked here, without loading torch: a mistyped key is reported
+    at once (``fed_dp.simulations.experiments.config_files.check_config_names``)."""
+    from fed_dp.run_config import apply_overrides
+    from fed_dp.simulations.experiments.config_files import check_config_names, load_config
 
     if args.config_option:
         if args.config and args.config != args.config_option:
@@ -138,7 +156,11 @@ def _simulation_config(args: argparse.Namespace) -> dict:
     if args.task:
         sys.path.insert(0, str(Path.cwd()))
         config["task"] = {"ref": args.task}
-    return apply_overrides(config, args.set or [])
+    config = apply_overrides(config, args.set or [])
+    if getattr(args, "optimizers", None):
+        config.setdefault("run", {})["optimizers"] = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    check_config_names(config)
+    return config
 
 
 def _run_audit(args: argparse.Namespace) -> None:

@@ -3,13 +3,15 @@
     NAME/pyproject.toml   [project] without fed-dp in its dependencies (see DEPENDENCIES_NOTE), the Flower app's
                           components, and every fed-dp run-config key with its default (``[tool.flwr.app.config]``,
                           from the one schema: ``fed_dp.run_config.flower_defaults``)
-    NAME/server_app.py    a ServerApp running ``UserLevelDP`` (a subclass, ready for configure_train/aggregate_train)
-    NAME/client_app.py    fed-dp's ClientApp (``fed_dp.clients.app``): a node trains the sampled users it hosts
+    NAME/server_app.py    a ServerApp running ``UserLevelDP`` (a subclass, ready for configure_train/aggregate_train);
+                          it prints ε and the held-out evaluation before round 1 and after the last
+    NAME/client_app.py    fed-dp's ClientApp (``fed_dp.client_app``): a node trains the sampled users it hosts
     NAME/task.py          the model, the users' data, the loss and the held-out evaluation: what the user edits
                           (``--model hf``: a Hugging Face GPT-2 with a peft LoRA adapter, ``fed_dp.clients.hf``)
     NAME/README.md        how to run it and what to change
 
-``flwr run NAME`` (or ``flwr run .`` inside it) trains it in Flower's local simulation.
+``flwr run NAME`` (or ``flwr run .`` inside it) trains it in Flower's local simulation. The files use fed-dp's public
+API only (the names ``fed_dp`` exports, docs/reference/python-api.md): what a user copies from them keeps working.
 """
 
 from __future__ import annotations
@@ -44,18 +46,16 @@ SERVER_APP = '''\
 """ServerApp: fed-dp's user-level DP strategy in place of FedAvg.
 
 Every key of [tool.flwr.app.config] (privacy.*, optimizer.*, local.*, server.*, task.*) is read by
-fed_dp.run_config; override any with `flwr run . --run-config "privacy.rounds=10"`.
+fed_dp.RunConfig; override any with `flwr run . --run-config "privacy.rounds=10"`. Everything comes from fed_dp's
+public API (docs/reference/python-api.md).
 """
 
-import os
 import secrets
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fed_dp import RunConfig, UserLevelDP, centralized_evaluation, model_arrays
-from fed_dp.clients.task import build_task, initial_model
-from fed_dp.server.app import make_strategy
+from fed_dp import RunConfig, UserLevelDP, build_task, centralized_evaluation, model_arrays
 
 
 class Strategy(UserLevelDP):
@@ -70,27 +70,31 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     run = RunConfig.from_flat(context.run_config)
-    task = build_task(run.task)
-    seed = run.run.seed if run.run.seed is not None else secrets.randbits(62)
-    model, _, _ = initial_model(task, seed)
-    # frozen=model: the nodes must hold the same frozen parameters (requires_grad=False), which are never sent
-    strategy = make_strategy(run, task.num_users, os.environ, strategy_class=Strategy, frozen=model)
+    task = build_task(run.task)  # task.py's make_task (task.ref), called with the task.* keys
+    # run.seed seeds the initial model as the nodes seed theirs (frozen parameters must match); unset: a fresh seed
+    model = task.build_model(seed=run.run.seed if run.run.seed is not None else secrets.randbits(62))
+    strategy = Strategy.from_run_config(run, task.num_users, frozen=model)
     result = strategy.start(grid=grid, initial_arrays=model_arrays(model), timeout=run.server.reply_timeout,
                             evaluate_fn=centralized_evaluation(task, model))
-    last = result.records[-1] if result.records else {}
-    evaluated = {key: value for key, value in last.items() if key.startswith("eval_")}
-    print(f"{last.get('round', 0)} rounds, user-level epsilon {result.epsilon} at delta {result.delta:g}; "
-          f"last evaluation {evaluated}")
+    # the held-out evaluation before round 1 (round 0) and after the last round
+    evaluated = [record for record in result.records if any(key.startswith("eval_") for key in record)]
+    before, after = (evaluated[0], evaluated[-1]) if evaluated else ({}, {})
+    change = ", ".join(f"{key[5:]} {before[key]:.3f} -> {after[key]:.3f}" for key in after
+                       if key.startswith("eval_") and key in before)
+    rounds = result.records[-1]["round"] if result.records else 0
+    print(f"{rounds} rounds, user-level epsilon {result.epsilon:.2f} at delta {result.delta:g}; held-out "
+          f"{change or 'not evaluated'} (before round 1 -> after round {after.get('round', rounds)})")
 '''
 
 CLIENT_APP = '''\
-"""ClientApp: fed-dp's own. A node tells the server which users it hosts, then trains the sampled ones from the
-global model, clips each user's update and sends their sum (fed_dp.clients.replies has the pieces for a ClientApp
-of your own). It loads the task named by task.ref in [tool.flwr.app.config].
+"""ClientApp: fed-dp's own. A node tells the server which users it hosts (and which model it trains), then trains
+the sampled ones from the global model, clips each user's update and sends their sum (fed_dp's query_reply,
+train_reply and LocalTrainer are the pieces for a ClientApp of your own). It loads the task named by task.ref in
+[tool.flwr.app.config].
 """
 
 import task  # noqa: F401  (this folder's task.py, imported while Flower loads the app: task.ref names it)
-from fed_dp.clients.app import app
+from fed_dp import client_app as app
 
 __all__ = ["app"]
 '''
@@ -173,8 +177,9 @@ Run it in Flower's local simulation, from this folder, in the environment where 
     flwr run . --stream
     flwr run . --stream --run-config "privacy.rounds=20 privacy.expected-cohort=8 server.checkpoint-dir='/abs/ckpt'"
 
-The ServerApp logs every round's ε and prints the final user-level ε. With `server.checkpoint-dir` (an absolute
-path) every round is saved there, with `results.json`, and a new run resumes from it.
+The ServerApp logs every round's ε, then prints the user-level ε spent and the held-out evaluation before round 1
+and after the last. With `server.checkpoint-dir` (an absolute path) every round is saved there, with
+`results.json`, and a new run resumes from it.
 
 - task.py: your model, users' data, loss and held-out evaluation.
 - pyproject.toml, `[tool.flwr.app.config]`: every fed-dp setting with its default; an optional key

@@ -139,7 +139,8 @@ def train(
     A user whose examples fail to load or whose training raises stops the run with
     ``fed_dp.round_loop.TrainingStopped``, naming the round and the user, before that round is released; the
     model after the last released round is the error's ``result`` (a TrainResult) and, with ``checkpoint_dir``,
-    committed there.
+    committed there. A failure that is not one user's (every user tried fails alone, or only training them together
+    fails) in the first round is a configuration error instead: ValueError, with the original error as its cause.
     """
     if not isinstance(task, Task):
         raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")

@@ -27,9 +27,7 @@ import copy
 import json
 import math
 import time
-import tomllib
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -41,36 +39,16 @@ from fed_dp.checkpoint import recorded_run
 from fed_dp.clients.task import Task, build_task
 from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
-from fed_dp.optimizers import OPTIMIZERS
 from fed_dp.randomness import entropy_seed
 from fed_dp.round_loop import TrainingStopped
 from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides, resolve_noise_source
 from fed_dp.run_setup import check_resume, describe_run
 from fed_dp.simulations.engine.inprocess import train
 from fed_dp.simulations.engine.progress import RoundProgress
+from fed_dp.simulations.experiments.config_files import DEFAULT_CONFIG, check_config_names, load_config
 
 __all__ = ["DEFAULT_CONFIG", "Experiment", "apply_overrides", "format_table", "load_config", "parse_experiment",
            "read_results", "run_experiment"]
-
-DEFAULT_CONFIG = "main-job"
-
-
-def load_config(path: str | Path | None) -> dict[str, Any]:
-    """Read a TOML config; ``None`` is the built-in default, a bare name one of ``simulations/configs``."""
-    if path is None:
-        path = DEFAULT_CONFIG
-    path_str = str(path)
-    if not path_str.endswith(".toml") and "/" not in path_str:
-        resource = resources.files("fed_dp.simulations") / "configs" / f"{path_str}.toml"
-        if not resource.is_file():
-            names = sorted(p.name[:-5] for p in (resources.files("fed_dp.simulations") / "configs").iterdir()
-                           if p.name.endswith(".toml"))
-            raise ValueError(f"no built-in config {path_str!r}; built-in configs: {', '.join(names)}")
-        return tomllib.loads(resource.read_text(encoding="utf-8"))
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"config file {file} does not exist")
-    return tomllib.loads(file.read_text(encoding="utf-8"))
 
 
 @dataclass(frozen=True)
@@ -90,7 +68,7 @@ class Experiment:
 
 #: Keys that only a Flower run acts on (they wait for SuperNodes and their replies): an in-process command refuses
 #: them rather than ignore them.
-FLOWER_ONLY_KEYS = ("server.reply-timeout", "server.min-nodes", "server.node-wait")
+FLOWER_ONLY_KEYS = ("server.reply-timeout", "server.min-nodes", "server.node-wait", "server.allow-unreported-model")
 
 
 def refuse_keys(config: dict[str, Any], keys: tuple[str, ...], command: str, why: str) -> None:
@@ -104,6 +82,7 @@ def refuse_keys(config: dict[str, Any], keys: tuple[str, ...], command: str, why
 def parse_experiment(config: dict[str, Any], command: str = "fed-dp simulate") -> Experiment:
     """Validate a whole config (every optimizer's run configuration) before anything runs; keys that only a
     Flower run acts on are refused (``command`` names the command in the message)."""
+    check_config_names(config)
     refuse_keys(config, FLOWER_ONLY_KEYS, command, "it trains in this process, without SuperNodes (they are for "
                 "Flower runs)")
     tables = copy.deepcopy(config)
@@ -117,9 +96,6 @@ def parse_experiment(config: dict[str, Any], command: str = "fed-dp simulate") -
         raise ValueError("give optimizer.name or run.optimizers, not both")
     if not isinstance(names, list) or not names:
         raise ValueError(f"run.optimizers must be a non-empty list of names, got {names!r}")
-    unknown = [n for n in list(names) + list(hyper) if n not in OPTIMIZERS]
-    if unknown:
-        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
     runs = {}
     for name in names:
         runs[name] = RunConfig.from_tables({**tables, "optimizer": {**single, "name": name, **hyper.get(name, {})}})

@@ -329,3 +329,12 @@ def test_a_bad_value_in_a_config_is_named_by_its_key(tables, message):
     assert message.removeprefix("error: ") in str(error.value) and "_" not in str(error.value).split(" must")[0]
     with pytest.raises(ValueError, match="noise_multiplier must be"):
         PrivacyConfig(num_users=10, expected_cohort=5, rounds=1, noise_multiplier=-1.0, delta=1e-5)
+
+
+def test_the_schemas_optimizer_names_are_the_optimizers():
+    """The schema names the optimizers without importing fed_dp.optimizers (torch), so that a config's names are
+    checked before PyTorch loads (issue 40 item 5): the two lists must be one."""
+    from fed_dp.optimizers import OPTIMIZERS
+    from fed_dp.run_config import OPTIMIZER_NAMES
+
+    assert OPTIMIZER_NAMES == tuple(OPTIMIZERS)

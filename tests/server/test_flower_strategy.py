@@ -8,6 +8,7 @@ and test_deployment.py; here messages are real ``flwr.app.Message`` objects pass
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 
@@ -27,13 +28,14 @@ from fed_dp.optimizers import make_optimizer
 from fed_dp.contribution import UserTrainingError
 from fed_dp.round import Contribution, init_server, begin_round
 from fed_dp.server.flower_strategy import UserLevelDP, centralized_evaluation, model_arrays
-from fed_dp.server.membership import ModelMismatchError, NoUsersError
+from fed_dp.server.membership import ModelMismatchError, ModelNotReportedError, NoUsersError
 from fed_dp.round_loop import NoRepliesError
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
 from fed_dp.simulations.engine.inprocess import train
 from inprocess_grid import Handler, InProcessGrid, server_identity  # noqa: F401 (server_identity: autouse fixture)
 
 TASK = heavy_tail_task()  # 40 users, a linear model (d = 64·7)
+MODEL = TASK.build_model()  # what the nodes report in their answer to the user query (query_reply's model=)
 LOCAL = LocalTraining(batch_size=2, lr=0.5)
 PRIVACY = PrivacyConfig(num_users=40, expected_cohort=10, rounds=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
 
@@ -45,7 +47,7 @@ def honest_node(node_id: int, parts: int) -> Handler:
 
     def handle(message: Message) -> Message:
         if message.metadata.message_type == MessageType.QUERY:
-            return query_reply(message, users)
+            return query_reply(message, users, model=trainer.model)
         return train_reply(message, trainer, hosted=users)
 
     return handle
@@ -303,7 +305,8 @@ def test_overrides_do_not_skip_the_empty_round_stop(tmp_path):
 
     def broken(message: Message) -> Message:
         if message.metadata.message_type == MessageType.QUERY:
-            return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40))
+            return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40),
+                               model=MODEL)
         raise RuntimeError("out of memory")
 
     strategy = Both(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2, checkpoint_dir=str(tmp_path))
@@ -368,7 +371,8 @@ def test_replies_that_stop_coming_end_the_run_after_max_empty_rounds(tmp_path):
     NoRepliesError pointing to the operator's log, which names the failure; its checkpoint resumable with exactly those 2 rounds in the ledger."""
     def broken(message: Message) -> Message:
         if message.metadata.message_type == MessageType.QUERY:
-            return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40))
+            return query_reply(message, range(20) if message.metadata.dst_node_id == 100 else range(20, 40),
+                               model=MODEL)
         raise RuntimeError("CUDA out of memory")
 
     strategy = UserLevelDP(PRIVACY.replace(rounds=5), "dp-fedavg", seed=2, checkpoint_dir=str(tmp_path))
@@ -451,14 +455,14 @@ def test_model_fingerprints_name_the_first_difference():
 def test_a_reply_for_foreign_users_and_a_malformed_reply_drop_only_that_nodes_users(tmp_path):
     def foreign(message: Message) -> Message:
         if message.metadata.message_type == MessageType.QUERY:
-            return query_reply(message, range(20, 40))
+            return query_reply(message, range(20, 40), model=MODEL)
         request = protocol.parse_train_request(message)
         return Message(RecordDict({protocol.UPDATE: ArrayRecord(torch_state_dict={"total": torch.zeros(3)}),
                                    protocol.REPLY: MetricRecord({"count": len(request.users)})}), reply_to=message)
 
     grid = InProcessGrid({100: honest_node(100, 2), 101: foreign})
-    grid.nodes[100] = lambda m: query_reply(m, range(20)) if m.metadata.message_type == MessageType.QUERY \
-        else honest_node(100, 1)(m)
+    grid.nodes[100] = lambda m: (query_reply(m, range(20), model=MODEL) if m.metadata.message_type == MessageType.QUERY
+                                 else honest_node(100, 1)(m))
     UserLevelDP(PRIVACY, "dp-fedavg", seed=4, checkpoint_dir=str(tmp_path)).start(
         grid, model_arrays(initial_model(TASK, 4)[0]))
     counts = read_diagnostics(tmp_path)
@@ -510,13 +514,13 @@ def test_run_seed_reaches_every_client_so_the_server_app_never_seeds_the_sampler
     secure, and only FED_DP_SERVER_SEED, in the server's own environment, makes a research run reproducible."""
     from fed_dp.randomness import derive_seed
     from fed_dp.run_config import RunConfig
-    from fed_dp.server.app import SERVER_SEED_VARIABLE, make_strategy
+    from fed_dp.server.app import SERVER_SEED_VARIABLE
 
     run = RunConfig.from_flat({"run.seed": 5, "privacy.rounds": 3, "privacy.accountant": "rdp"})
     model, _, params = initial_model(TASK, 5)
 
     def secret_state(environ):
-        strategy = make_strategy(run, TASK.num_users, environ)
+        strategy = UserLevelDP.from_run_config(run, TASK.num_users, environ=environ)
         strategy._initialize(model_arrays(model))
         return strategy, strategy.state.secret_state_dict()
 
@@ -530,7 +534,7 @@ def test_run_seed_reaches_every_client_so_the_server_app_never_seeds_the_sampler
     _, research = secret_state({SERVER_SEED_VARIABLE: "5"})  # the server's own seed: the engine's research run
     assert torch.equal(research["sampler"]["generator_state"], rebuilt["sampler"]["generator_state"])
     with pytest.raises(ValueError, match=SERVER_SEED_VARIABLE):
-        make_strategy(run, TASK.num_users, {SERVER_SEED_VARIABLE: "five"})
+        UserLevelDP.from_run_config(run, TASK.num_users, environ={SERVER_SEED_VARIABLE: "five"})
 
 
 def test_one_users_bad_data_moves_a_nodes_reply_by_at_most_its_own_update(tmp_path):
@@ -590,3 +594,52 @@ def test_a_flower_resume_with_another_local_training_or_run_seed_is_refused_befo
     result = UserLevelDP(PRIVACY, "dp-fedavg", seed=5, training_seed=5, local=LOCAL, checkpoint_dir=folder).start(
         honest_grid(), model_arrays(model))
     assert [r["round"] for r in result.records] == [1, 2, 3]
+
+
+def _earlier_docs_node(users: range) -> Handler:
+    """A ClientApp written to the earlier docs: its user query answers without the node's model (no model=)."""
+    trainer = LocalTrainer(TASK, LOCAL, device="cpu")
+
+    def handle(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.QUERY:
+            return query_reply(message, users)
+        return train_reply(message, trainer, hosted=users)
+
+    return handle
+
+
+def test_a_node_that_does_not_report_its_model_is_refused_before_round_1_unless_the_operator_allows_it(tmp_path):
+    """Issue 40 item 8: such a node was accepted with a warning, and with another model it cost two rounds of noise
+    alone (ε 1.57) before the run stopped. Now it is refused before any round is sampled, with what to pass and the
+    flag that allows it; with allow_unreported_model=True (run config server.allow-unreported-model) it is used
+    unchecked, with one warning."""
+    def grid() -> InProcessGrid:
+        return InProcessGrid({100: _earlier_docs_node(range(20)), 101: _earlier_docs_node(range(20, 40))})
+
+    refused = UserLevelDP(PRIVACY, "dp-fedavg", seed=1, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ModelNotReportedError, match=r"node id 10[01] \(users (0-19|20-39)\) did not report its model.*"
+                       r"query_reply\(msg, users, model=trainer.model\).*allow_unreported_model=True.*"
+                       r"server.allow-unreported-model = true.*no round was sampled and no privacy budget was spent"):
+        refused.start(grid(), model_arrays(initial_model(TASK, 1)[0]))
+    assert refused.state.ledger.rounds == 0 and not (tmp_path / COMMIT_NAME).exists()
+    assert refused.membership is None  # refused while the nodes were being discovered
+    from fed_dp.run_config import RunConfig
+
+    run = RunConfig.from_flat({"server.allow-unreported-model": True, "privacy.rounds": 3, "privacy.accountant": "rdp",
+                               "optimizer.name": "dp-fedavg"})
+    allowed = UserLevelDP.from_run_config(run, TASK.num_users)
+    assert allowed.allow_unreported_model and not UserLevelDP(PRIVACY).allow_unreported_model
+    warned: list[str] = []
+
+    class Keep(logging.Handler):  # the fed_dp logger does not propagate to the root logger caplog reads
+        def emit(self, record):
+            warned.append(record.getMessage())
+
+    keep = Keep(level=logging.WARNING)
+    logging.getLogger("fed_dp.server").addHandler(keep)
+    try:
+        result = allowed.start(grid(), model_arrays(initial_model(TASK, 1)[0]))
+    finally:
+        logging.getLogger("fed_dp.server").removeHandler(keep)
+    assert [r["round"] for r in result.records] == [1, 2, 3]
+    assert len([m for m in warned if "used unchecked (allow_unreported_model)" in m]) == 1

@@ -42,7 +42,7 @@ def node(users: list[int], name: str | None = None, late: bool = False) -> Handl
 
     def handle(message: Message) -> Message | None:
         if message.metadata.message_type == MessageType.QUERY:
-            return query_reply(message, users, name=name)
+            return query_reply(message, users, name=name, model=trainer.model)
         return None if late else train_reply(message, trainer, hosted=users)
 
     return handle
@@ -247,7 +247,7 @@ def virtual_node(nodes: int, num_users: int = 40, partition: int = 0) -> Handler
 
     def handle(message: Message) -> Message:
         if message.metadata.message_type == MessageType.QUERY:
-            return query_reply(message, users)
+            return query_reply(message, users, model=trainer.model)
         return train_reply(message, trainer, hosted=users)
 
     return handle

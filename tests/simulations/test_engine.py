@@ -197,9 +197,13 @@ def test_bad_task_inputs_get_clear_errors():
         train("not a task", _privacy(), "dp-sgd")
     regression = Task(name="float-targets", users=Users.in_memory([(torch.randn(3, 6), torch.randn(3))] * 40),
                       model=lambda: nn.Linear(6, 3), loss=losses.classification)
-    with pytest.raises(TrainingStopped, match=r"round 1, user \d+: ValueError: .*regression target") as stopped:
+    # Issue 40 item 5: every user fails with the wrong loss, before any release: a configuration error (it was a
+    # TrainingStopped, a RuntimeError, which `except ValueError` missed), with the loss's own error as its cause
+    with pytest.raises(ValueError, match=r"the task does not train: round 1, user \d+: ValueError: .*regression "
+                                         r"target.*users \d+, \d+, \d+ each fail alone.*no privacy budget") as failed:
         train(regression, _privacy(), "dp-sgd", seed=0)  # the first round's users train with the wrong loss
-    assert isinstance(stopped.value.__cause__.__cause__, ValueError) and stopped.value.result.records == []
+    assert type(failed.value) is ValueError and isinstance(failed.value.__cause__, ValueError)
+    assert "regression target" in str(failed.value.__cause__)
     not_a_module = Task(name="x", users=task.users, model=lambda: "model", loss=losses.classification)
     with pytest.raises(ValueError, match="not a torch.nn.Module"):
         train(not_a_module, _privacy(), "dp-sgd", seed=0)
@@ -307,10 +311,55 @@ def test_a_non_scalar_loss_names_the_round_and_the_user():
     task = _task()
     per_example = Task(name="per-example", users=task.users, model=task.model,
                        loss=lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none"))
-    with pytest.raises(TrainingStopped, match=r"round 1, user \d+: ValueError: the loss returned \(4,\) for a minibatch "
-                                              r"of user \d+; it must return a scalar") as stopped:
+    with pytest.raises(ValueError, match=r"round 1, user \d+: ValueError: the loss returned \(4,\) for a minibatch "
+                                         r"of user \d+; it must return a scalar") as failed:
         train(per_example, _privacy(), "dp-sgd", LocalTraining(), seed=0, training="sequential")
-    assert stopped.value.result.records == [] and stopped.value.state.round == 0
+    assert not isinstance(failed.value, TrainingStopped) and "Nothing was released" in str(failed.value)
+
+
+def test_users_whose_data_all_fail_to_load_are_a_configuration_error_and_one_users_a_stopped_run():
+    """Issue 40 item 5: a loader that fails for every user (a missing folder) is the task's set-up, reported as a
+    ValueError before any release; a loader that fails for one user only stops the run (TrainingStopped) in the
+    round that samples it, with the model so far."""
+    task = _task()
+
+    def missing(uid):
+        raise FileNotFoundError(f"users/{uid}.pt")
+
+    broken = Task(name="missing", users=Users(list(range(40)), missing), model=task.model, loss=losses.classification)
+    with pytest.raises(ValueError, match=r"the task does not train: .*FileNotFoundError.*the examples of users "
+                                         r"\d+, \d+, \d+ all fail to load") as failed:
+        train(broken, _privacy(), "dp-sgd", LocalTraining(), seed=0)
+    assert isinstance(failed.value.__cause__, ValueError) and isinstance(failed.value.__cause__.__cause__,
+                                                                         FileNotFoundError)
+    data = {i: task.users[i] for i in range(40)}
+
+    def one_missing(uid):
+        if uid == 7:
+            raise FileNotFoundError("users/7.pt")
+        return data[uid]
+
+    one = Task(name="one-missing", users=Users(list(range(40)), one_missing), model=task.model,
+               loss=losses.classification)
+    with pytest.raises(TrainingStopped, match=r"round \d+, user 7: ValueError: .*users/7.pt"):
+        train(one, _privacy(rounds=20), "dp-sgd", LocalTraining(), seed=0)
+
+
+def test_a_training_path_that_fails_for_users_together_but_not_alone_is_a_configuration_error():
+    """A loss that reads a value in Python (``.item()``) trains each user alone but not vectorized over users
+    (client.training = "vectorized"): the training path's failure, a ValueError naming it, before any release."""
+    task = _task()
+
+    def reads_a_value(model, batch):
+        value = losses.classification(model, batch)
+        return value if value.item() < 1e9 else value * 0
+
+    scalar = Task(name="item", users=task.users, model=task.model, loss=reads_a_value)
+    assert train(scalar, _privacy(rounds=1), "dp-sgd", LocalTraining(epochs=2), seed=0,
+                 training="sequential").records[-1]["round"] == 1
+    with pytest.raises(ValueError, match=r"the task does not train: .*only training them together fails \(the "
+                                         r"training path: client.training"):
+        train(scalar, _privacy(), "dp-sgd", LocalTraining(epochs=2), seed=0, training="vectorized")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 import tomllib
@@ -52,11 +53,43 @@ def test_fed_dp_new_writes_an_app_that_flwr_run_trains(tmp_path, capsys):
     privacy = resolve_privacy(RunConfig.from_flat(RUN).privacy, 8)
     expected = [epsilon(privacy, t) for t in (1, 2)]
     assert f"fed-dp finished: 2 rounds, user-level epsilon {expected[-1]:.4f}" in log, log[-3000:]
-    assert "2 rounds, user-level epsilon" in log and "last evaluation {'eval_loss'" in log  # server_app.py's line
     results = json.loads((checkpoints / "results.json").read_text())
     assert [r["round"] for r in results] == [0, 1, 2]  # the initial model's evaluation (round 0), then rounds 1 … 2
     assert [r["epsilon"] for r in results] == pytest.approx([0.0, *expected])  # round 0 released nothing
     assert all(0 <= r["eval_accuracy"] <= 1 for r in results)
+    # server_app.py's last line (issue 40 item 7): ε rounded, the held-out figures before round 1 and after round 2
+    before, after = results[0], results[-1]
+    assert (f"2 rounds, user-level epsilon {expected[-1]:.2f} at delta 1e-05; held-out "
+            f"loss {before['eval_loss']:.3f} -> {after['eval_loss']:.3f}, "
+            f"accuracy {before['eval_accuracy']:.3f} -> {after['eval_accuracy']:.3f} (before round 1 -> after round 2)"
+            ) in log, log[-3000:]
+
+
+@pytest.mark.parametrize("model", ["torch", "hf"])
+def test_the_template_uses_fed_dps_public_api_only(tmp_path, model):
+    """Issue 40 item 7: the generated server_app.py imported build_task, initial_model and make_strategy, which the
+    Python API reference does not list. Every name the app's files import from fed-dp is now public: exported by the
+    ``fed_dp`` facade, or a module the reference documents (``::: module`` in docs/reference/python-api.md)."""
+    import ast
+
+    reference = (Path(fed_dp.__file__).resolve().parents[1] / "docs" / "reference" / "python-api.md").read_text()
+    documented = set(re.findall(r"^::: ([\w.]+)$", reference, flags=re.M))
+    app = tmp_path / "my-app"
+    assert main(["new", str(app), "--model", model]) == 0
+    imported = []
+    for file in sorted(app.glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fed_dp":
+                imported += [(file.name, node.module, alias.name) for alias in node.names]
+            if isinstance(node, ast.Import):
+                assert not [a.name for a in node.names if a.name.startswith("fed_dp.")], (file.name, ast.dump(node))
+    assert {"RunConfig", "UserLevelDP", "build_task", "client_app"} <= {name for _, _, name in imported}
+    private = [(file, module, name) for file, module, name in imported
+               if not ((module == "fed_dp" and name in fed_dp.__all__) or f"{module}.{name}" in documented)]
+    assert not private, private
+    for name in {name for _, module, name in imported if module == "fed_dp"}:  # each in the reference
+        target = ".".join(part for part in fed_dp._PUBLIC[name] if part)
+        assert target in documented or target.rpartition(".")[0] in documented, name
 
 
 def test_fed_dp_new_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
