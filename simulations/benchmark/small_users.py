@@ -147,6 +147,7 @@ class PopulationWorkload(_Round):
     rounds: int = 3
     users: int = STACKOVERFLOW_USERS
     cohort: int = 1000
+    delta: float = 1e-7  # below 1/N = 2.9·10⁻⁶ (a δ ≥ 1/N protects nobody and is refused)
     vocabulary: int = 10_000
     embedding: int = 6
 
