@@ -39,6 +39,11 @@ def _delta_below(num_users: int) -> float:
     return 10.0 ** math.floor(math.log10(1 / (10 * num_users)))
 
 
+#: σ of a run configuration that gives neither ``privacy.noise-multiplier`` nor ``privacy.target-epsilon``
+#: (``fed_dp.run_config``); the Python API asks for one of them.
+DEFAULT_NOISE_MULTIPLIER = 1.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
     """The user-level DP mechanism of one training run (docs/explanation/mechanism.md).
@@ -83,9 +88,9 @@ class PrivacyConfig:
     num_users: int | None = setting(None, help="N; unset: the task's number of users (if set, it must equal it)")
     allow_large_delta: bool = setting(False, help="accept delta >= 1/N (refused otherwise: with such a delta a "
                                       "mechanism may publish a whole user's data; a run then warns, naming N)")
-    noise_multiplier: float | None = setting(None, help="σ: noise std on the sum of clipped updates / ζ (1.0 when "
-                                             "neither σ nor target-epsilon is given; 0: a non-private baseline, no noise, ε "
-                                             "infinite)")
+    noise_multiplier: float | None = setting(None, help=f"σ: noise std on the sum of clipped updates / ζ "
+                                             f"({DEFAULT_NOISE_MULTIPLIER} in a run config that gives neither σ nor "
+                                             "target-epsilon; 0: a non-private baseline, no noise, ε infinite)")
     target_epsilon: float | None = setting(None, help="calibrate σ with dp_accounting so that the whole run has "
                                            "this user-level ε at delta")
     clip_norm: float = setting(1.0, help="ζ: L2 bound of one user's whole update")

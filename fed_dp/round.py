@@ -37,6 +37,7 @@ from fed_dp.moment_estimation import joint_privatizer, split_query, stack_query
 from fed_dp.noise import NoNoise, Privatizer, make_privatizer
 from fed_dp.optimizers import OptimizerState, RoundRelease, ServerOptimizer
 from fed_dp.randomness import derive_seed, grid_step
+from fed_dp.run_config import SERVER_DEFAULTS, resolve_noise_source
 from fed_dp.run_setup import privacy_changes
 from fed_dp.sampling import Sampler, make_sampler
 
@@ -124,13 +125,15 @@ def init_server(
     seed: int | None = None,
     device: str | torch.device = "cpu",
     adaptive_clipping: AdaptiveClipConfig | None = None,
-    noise_source: str = "torch",
+    noise_source: str = SERVER_DEFAULTS.noise_source,
 ) -> ServerState:
     """Build the server state. ``seed`` seeds sampler and noise (``None``: OS entropy, as for real runs),
     each through its own derived seed (``fed_dp.randomness.derive_seed(seed, "sampler" | "noise" |
     "adaptive-clipping")``), so no consumer's seed reveals another's. ``noise_source``: ``"torch"`` (seeded,
-    reproducible) or ``"secure"`` (AES-CTR keyed from OS entropy whatever the seed) for the update and clip-bit
-    noise.
+    reproducible), ``"secure"`` (AES-CTR keyed from OS entropy whatever the seed) or ``"auto"`` (the run
+    configuration's default, ``server.noise-source``: torch here, where no Flower run decides otherwise; engines
+    resolve auto with ``fed_dp.run_config.resolve_noise_source`` and pass what they chose) for the update and
+    clip-bit noise.
 
     With ``adaptive_clipping`` (independent noise only) the clip norm follows the noisy clip bits of every
     round and the update noise uses σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the pair costs one Gaussian
@@ -147,6 +150,7 @@ def init_server(
     params = params.detach().to(device).clone()
     dim = params.numel()
     derived = (lambda purpose: None) if seed is None else (lambda purpose: derive_seed(seed, purpose))
+    noise_source = resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None)
     noise_seed = derived("noise") if noise_source == "torch" else None  # secure noise is keyed from OS entropy
     if optimizer.needs.squares:
         privatizer = joint_privatizer(config, dim, optimizer.ime_alpha, seed=noise_seed, device=device,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
-from fed_dp.config import LocalTraining, PrivacyConfig
+from fed_dp.config import DEFAULT_NOISE_MULTIPLIER, LocalTraining, PrivacyConfig
 from fed_dp.context import simulation
 from fed_dp.schema import UNSET, Key, keys_of, setting
 from fed_dp.validation import check_seed
@@ -373,7 +373,7 @@ def _task_settings(given: Mapping[str, Any]) -> TaskSettings:
 
 def _privacy(values: dict[str, Any]) -> PrivacyConfig:
     if values["noise_multiplier"] is None and values["target_epsilon"] is None:
-        values["noise_multiplier"] = 1.0
+        values["noise_multiplier"] = DEFAULT_NOISE_MULTIPLIER
     if values["noise_multiplier"] is not None and values["target_epsilon"] is not None:
         raise ValueError(
             f"privacy.noise-multiplier = {values['noise_multiplier']} and privacy.target-epsilon = "
