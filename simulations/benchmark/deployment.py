@@ -25,8 +25,8 @@ def bench_deployment(nodes: int, rounds: int, folder: Path, log=print) -> dict[s
     The project's runs use the W1 task and model (the same array size as the echo) with every user sampled and
     one local step on one example (``privacy.sampler = "all"``, ``local.steps = 1``, ``local.max-examples = 1``).
     Medians of the rounds after the first (the first also installs the app bundle on every node)."""
-    from fed_dp.server.local_deployment import deployment
     from fed_dp.simulations.benchmark.flower_echo import APP
+    from fed_dp.simulations.launch.local_deployment import deployment
 
     def start(d, service: bool) -> None:
         d.start_superlink()
