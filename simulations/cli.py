@@ -334,7 +334,7 @@ def _run_new(args: argparse.Namespace) -> None:
 
 
 def _run_submit(args: argparse.Namespace) -> int:
-    from fed_dp.server.submit import main as submit
+    from fed_dp.simulations.launch.submit import main as submit
 
     return submit(args.app, args.federation, args.run_config)
 

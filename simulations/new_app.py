@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from fed_dp.run_config import flower_defaults
-from fed_dp.server.local_simulation import format_run_config
+from fed_dp.simulations.launch.local_simulation import format_run_config
 
 #: What the generated pyproject.toml says about its (empty) dependency list, and why.
 DEPENDENCIES_NOTE = """\

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fed_dp.accounting import epsilon
-from fed_dp.server import local_simulation
 from fed_dp.simulations.cli import main as cli_main
+from fed_dp.simulations.launch import local_simulation
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FLOWER_APP = EXAMPLES / "flower_app"

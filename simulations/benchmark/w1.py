@@ -170,7 +170,7 @@ def flower_baseline_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: f
 def flower_baseline_flwr_run(spec: W1Spec, folder: Path, timeout: float) -> dict[str, Any]:
     """One run of Flower's own DP apps of W1 through ``flwr run`` (simulation engine, 1 CPU per ClientApp),
     launched as :func:`project_flower_run` launches the project's."""
-    from fed_dp.server import local_simulation
+    from fed_dp.simulations.launch import local_simulation
     from fed_dp.simulations.benchmark.flower_baseline import APP
 
     stamp = time.time_ns()
@@ -187,7 +187,7 @@ def flower_baseline_flwr_run(spec: W1Spec, folder: Path, timeout: float) -> dict
 
 def project_flower_run(spec: W1Spec, client_cpus: int, folder: Path, timeout: float) -> dict[str, Any]:
     """One run of the project's ServerApp/ClientApp through ``flwr run`` (simulation engine)."""
-    from fed_dp.server import local_simulation
+    from fed_dp.simulations.launch import local_simulation
     from fed_dp.server.app import SERVER_SEED_VARIABLE
 
     stamp = time.time_ns()

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from fed_dp.clients.node_service import NODE_CONFIG_KEY
-from fed_dp.server.local_simulation import REPO, bundle_folder, format_run_config, free_port
-from fed_dp.server.submit import RunOutcome, outcome, run_details
+from fed_dp.simulations.launch.local_simulation import REPO, bundle_folder, format_run_config, free_port
+from fed_dp.simulations.launch.submit import RunOutcome, outcome, run_details
 
 __all__ = ["Deployment", "Process", "deployment", "executable", "format_node_config", "tail"]
 

@@ -22,7 +22,7 @@ from fed_dp.config import PrivacyConfig
 from fed_dp.round import begin_round, finish_round, init_server
 from fed_dp.run_config import RunConfig
 from fed_dp.simulations.launch.local_deployment import Deployment, Process, deployment, format_node_config, tail  # noqa: F401
-from fed_dp.server.submit import COMPLETED, RunOutcome
+from fed_dp.simulations.launch.submit import COMPLETED, RunOutcome
 
 REPO = Path(__file__).resolve().parents[2]
 #: ``pytestmark`` of the deployment tests: skipped, saying why, where the tools they need are missing.

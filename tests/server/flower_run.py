@@ -1,6 +1,6 @@
 """Run the project's Flower app with `flwr run .` (Flower's simulation engine) from tests.
 
-The machinery lives in ``server.local_simulation`` (the benchmark uses it too). The tests compare Flower runs
+The machinery lives in ``fed_dp.simulations.launch.local_simulation`` (the benchmark uses it too). The tests compare Flower runs
 with the in-process engine for the same seed, so, like a researcher reproducing a run, they give the ServerApp
 the seed of its sampler and noise in its own environment (``FED_DP_SERVER_SEED``, equal to ``run.seed``): the
 run config, which every ClientApp receives, never seeds them.
@@ -18,9 +18,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from fed_dp.server import local_simulation
 from fed_dp.server.app import SERVER_SEED_VARIABLE
-from fed_dp.server.local_simulation import REPO, flwr_env, stop_local_superlink, wait_for
+from fed_dp.simulations.launch import local_simulation
+from fed_dp.simulations.launch.local_simulation import REPO, flwr_env, stop_local_superlink, wait_for
 
 __all__ = ["CLIENT_CPUS", "REPO", "flwr_env", "run", "start", "stop_local_superlink", "wait_for"]
 

@@ -35,8 +35,8 @@ from fed_dp.accounting import epsilon
 from fed_dp.checkpoint import load_checkpoint, read_diagnostics
 from fed_dp.clients.task import build_task
 from fed_dp.run_config import RunConfig
-from fed_dp.server.submit import run_id_of
 from fed_dp.simulations.engine.inprocess import train
+from fed_dp.simulations.launch.submit import run_id_of
 
 pytestmark = REQUIRES_TOOLS
 LAST_USERS = set(range(27, 40))  # the users of the last SuperNode of deployment.USERS

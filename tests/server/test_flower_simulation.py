@@ -225,22 +225,3 @@ def test_a_text_task_from_local_files_runs_through_flower(tmp_path):
     assert "eval_perplexity" in records[0] and "eval_perplexity" in records[-1]
     engine = train(build_task(run.task), privacy, run.optimizer.build(), run.local, seed=3, device="cpu")
     torch.testing.assert_close(load_checkpoint(out)["state"]["params"], engine.params, rtol=1e-5, atol=1e-6)
-
-
-def test_flwr_run_from_the_bundle_folder_bundles_the_same_app(tmp_path):
-    """`flwr run` is started in a folder holding only the files the app bundles (server.local_simulation); the
-    bundle Flower builds from it is byte for byte the one it builds from the project folder itself."""
-    from fed_dp.server.local_simulation import FLWR, bundle_folder
-
-    staged = bundle_folder(flower_run.REPO, tmp_path / "bundle")
-    assert staged != flower_run.REPO and sorted(p.name for p in staged.iterdir()) == ["README.md", "pyproject.toml"]
-    built = {}
-    for name, folder in (("project", flower_run.REPO), ("bundle", staged)):
-        out = tmp_path / f"built-{name}"
-        out.mkdir()
-        done = subprocess.run([FLWR, "build", "--app", str(folder)], cwd=out, env=flower_run.flwr_env(tmp_path / name),
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        (fab,) = out.glob("*.fab")
-        built[name] = fab.read_bytes()
-    assert built["project"] == built["bundle"]

@@ -21,8 +21,8 @@ import pytest
 import fed_dp
 from fed_dp.accounting import epsilon, resolve_privacy
 from fed_dp.run_config import RunConfig, flower_defaults
-from fed_dp.server import local_simulation
 from fed_dp.simulations.cli import main
+from fed_dp.simulations.launch import local_simulation
 
 RUN = {"privacy.rounds": 2, "privacy.expected-cohort": 4, "privacy.accountant": "rdp", "task.users": 8,
        "task.examples": 10, "run.seed": 3}

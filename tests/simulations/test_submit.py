@@ -1,5 +1,5 @@
 """``fed-dp submit``: its exit status and last line come from the run's status, never from ``flwr run``'s exit code
-(which is 0 even when the ServerApp failed). The deployment paths are in test_deployment.py and test_faults.py."""
+(which is 0 even when the ServerApp failed). The deployment paths are in tests/server/test_deployment.py and test_faults.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from fed_dp.server.submit import COMPLETED, RunOutcome, explain, run_id_of
+from fed_dp.simulations.launch.submit import COMPLETED, RunOutcome, explain, run_id_of
 
 
 def test_the_run_id_is_read_from_flwr_runs_output():

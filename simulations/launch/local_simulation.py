@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 #: The project root (holds pyproject.toml with the Flower app's [tool.flwr.app] tables).
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLWR = str(Path(sys.executable).with_name("flwr"))
 
 

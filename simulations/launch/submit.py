@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from fed_dp.server.local_simulation import FLWR
+from fed_dp.simulations.launch.local_simulation import FLWR
 
 COMPLETED = "finished:completed"
 
