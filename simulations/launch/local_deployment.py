@@ -299,7 +299,7 @@ class Deployment:
     def submit(self, run_config: dict[str, Any], *, fed_dp: bool = False, app: Path = REPO) -> Process:
         """Start ``flwr run . <federation> --stream --run-config ...`` for the Flower app folder ``app`` (default:
         the repository root, the project's app), from a folder holding only what ``flwr run`` bundles of it
-        (:func:`~fed_dp.server.local_simulation.bundle_folder`: the same app, without Flower's CLI listing the
+        (:func:`~fed_dp.simulations.launch.local_simulation.bundle_folder`: the same app, without Flower's CLI listing the
         ~48,000 files of a ``.venv`` inside the project, ~2.7 CPU seconds a run); ``fed_dp``: ``fed-dp submit
         <federation> --run-config ...`` instead (its exit status says whether the run completed)."""
         overrides = format_run_config(run_config)
@@ -316,7 +316,7 @@ class Deployment:
 
     def finish(self, submitted: Process, timeout: float) -> RunOutcome:
         """Wait for a submitted run's stream to end, then read the run's status with ``flwr ls``
-        (``fed_dp.server.submit.outcome``, what ``fed-dp submit`` does)."""
+        (``fed_dp.simulations.launch.submit.outcome``, what ``fed-dp submit`` does)."""
         try:
             submitted.popen.wait(timeout)
         except subprocess.TimeoutExpired:
