@@ -26,7 +26,11 @@ core is a top-level folder of the repository that installs under another name (p
 Core modules (docs/explanation/mechanism.md):
     config             PrivacyConfig (sampler, noise and accounting from one object), LocalTraining
     schema             a setting of the run configuration (key, type, default, help), written on the dataclasses
-    run_config         the one run-configuration schema: every key, its type, default and meaning
+    run_config         the one run configuration (RunConfig), the public entry of the four modules below
+    run_schema         its sections: every key, its type, default and meaning
+    run_parsing        TOML tables, --set overrides and Flower run configs read into the sections
+    run_rendering      the Flower run-config table and the configuration reference, generated from the schema
+    task_registry      tasks by short name (the entry-point group fed_dp.tasks)
     flat               ParamLayout — a model update as one float32 vector and back
     clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
     factorization      BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
