@@ -21,6 +21,11 @@ checked as a value (``privacy.noise-multiplier = -1`` is refused). ``[task]`` is
 own default applies).
 
 ``privacy.noise-multiplier`` and ``privacy.target-epsilon``: give one. σ = 1.0 applies when neither is given.
+
+This module is the public entry: it defines :class:`RunConfig` and re-exports the names of the four modules that
+hold the rest, one concern each: ``fed_dp.run_schema`` (the sections, :data:`KEYS`, the defaults),
+``fed_dp.run_parsing`` (tables, overrides and flat run configs read into the sections), ``fed_dp.run_rendering``
+(the Flower table and the reference; :func:`main`) and ``fed_dp.task_registry`` (tasks by short name).
 """
 
 from __future__ import annotations
