@@ -1,6 +1,6 @@
 """A node's users trained into one contribution: :class:`LocalTrainer` builds the task's model once and trains a
 round's users on its device, without a model per user when their update is one gradient step
-(``fed_dp.clients.one_step``), else vectorized over users or one at a time (``fed_dp.clients.vectorized.contribution``).
+(``fed_dp.clients.one_step``), else vectorized over users or one at a time (``fed_dp.clients.training_paths.contribution``).
 The in-process engine, the torchrun ranks, the audit and a Flower ClientApp (``fed_dp.clients.replies``) all train
 with this class, so a simulation and a Flower run compute the same contributions. Nothing here imports Flower.
 """
@@ -16,7 +16,7 @@ import torch
 
 from fed_dp.clients.task import Examples, Task, Users, seeded_model, trainable_layout
 from fed_dp.clients.training import LocalRound, UserExamples, keep_freed_memory, resolve_device, use_fast_format
-from fed_dp.clients.vectorized import Path, contribution, select_path
+from fed_dp.clients.training_paths import Path, contribution, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.run_config import CLIENT_DEFAULTS
 from fed_dp.contribution import Contribution, RoundPlan, UserTrainingError
@@ -83,7 +83,7 @@ class LocalTrainer:
                      failures: str = "stop") -> tuple[Contribution, dict[str, float], Path]:
         """Σ of the clipped updates of ``users`` (indices: this node's share of the plan's cohort) trained from the
         plan's flat θ, clipped to its ζ (in its geometry s_t), their count (and Σu² when the plan asks), the
-        training metrics and the path that ran (:func:`fed_dp.clients.vectorized.contribution`); ``seed``: the
+        training metrics and the path that ran (:func:`fed_dp.clients.training_paths.contribution`); ``seed``: the
         run's local-training seed, from which each user's derives.
 
         A user whose examples fail to load, or whose training raises (a NaN or Inf loss or update included):

@@ -77,7 +77,7 @@ DEFAULT_CHUNK_BYTES = 512 * 2**20
 SUPPORTED = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.GroupNorm)
 
 
-#: What ``vectorized.contribution``'s auto choice lets this path spend per user on norms beyond a per-user path's
+#: What ``training_paths.contribution``'s auto choice lets this path spend per user on norms beyond a per-user path's
 #: own work (:meth:`_PerUser.extra_macs`): 2^20 multiply-adds. Measured on 2 CPU cores, one torch thread, against
 #: the sequential path: closed-form norms (seed 003's one-example users, rank one) and small Gram matrices (the
 #: main job's two-example users, Q = 2) make this path 10-30x faster; materializing G_u over hundreds of positions
@@ -748,7 +748,7 @@ def users_contribution(users: Sequence[UserExamples], work: LocalRound, *, budge
     the same arguments (``work.seed`` is not needed: a full batch has no order that matters) and the same return
     value.
 
-    Raises ``Unsupported`` (caught by :func:`fed_dp.clients.vectorized.contribution`, which then takes the usual
+    Raises ``Unsupported`` (caught by :func:`fed_dp.clients.training_paths.contribution`, which then takes the usual
     path) for what this path cannot train, before anything is summed, and, with ``max_extra_macs`` (the auto
     choice passes :data:`AUTO_MAX_EXTRA_MACS`), when the first chunk shows that its norms would cost more than that
     many multiply-adds per user beyond a per-user path's work (:func:`_cost_refusal`); ValueError, like the other

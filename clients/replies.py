@@ -25,7 +25,7 @@ from flwr.app import Message
 
 from fed_dp.clients import protocol
 from fed_dp.clients.node import LocalTrainer
-from fed_dp.clients.vectorized import path_metrics
+from fed_dp.clients.training_paths import path_metrics
 
 __all__ = ["hosted_users", "parse_users", "query_reply", "train_reply"]
 

@@ -1,12 +1,12 @@
 """``fed-dp benchmark --only paths``: is the automatic training path the fastest one, workload by workload?
 
-A node trains its users on one of three paths (``clients.vectorized.contribution``): without a model per user
+A node trains its users on one of three paths (``clients.training_paths.contribution``): without a model per user
 when their update is one full-batch gradient step (``clients.one_step``), vectorized over users with
 ``torch.func``, or one user at a time. ``client.training = "auto"`` chooses by rules fixed in advance from the
 model and the users' shapes (never from a clock, so a run's path, and with it its float rounding, does not depend
 on the machine's load): the one-step path unless its per-user norms would cost more than
 ``one_step.AUTO_MAX_EXTRA_MACS`` multiply-adds per user beyond a per-user path's own work; on the CPU vectorized
-only for models without convolutions of at most ``vectorized.CPU_VECTORIZE_MAX_PARAMS`` parameters.
+only for models without convolutions of at most ``training_paths.CPU_VECTORIZE_MAX_PARAMS`` parameters.
 
 This section checks those rules against the clock: each workload below (small users of the built-in tasks' model
 families, on the CPU, one torch thread) runs a few rounds of the in-process engine with ``auto``, ``vectorized`` and

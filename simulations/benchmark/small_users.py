@@ -19,7 +19,7 @@ implementation on the GPU, one CPU thread driving it):
     step, clip, noise and optimizer. Reported: seconds per round, milliseconds per user, peak memory.
 
 What is timed. The engine: whole ``fed_dp.train`` runs (``simulations.engine.inprocess``, ``training="auto"``: the path
-``fed_dp.clients.vectorized.contribution`` chooses, ``clients.one_step`` for these one-step users; or the path
+``fed_dp.clients.training_paths.contribution`` chooses, ``clients.one_step`` for these one-step users; or the path
 ``--small-users-training`` forces, to compare the paths on the same workloads), and of
 each round its record's ``nonprivate_round_seconds``: from ``begin_round`` (budget check, sampling) through
 ``LocalTrainer.contribution`` (loading, local step, clipping and summing of every user) to ``finish_round``
@@ -380,7 +380,7 @@ def _engine_rounds(task: Task, workload: HeavyTailWorkload | PopulationWorkload,
 
 
 def _path(record: dict[str, Any]) -> str:
-    """The path a round's record says trained its users (``clients.vectorized.path_metrics``): ``one-step`` when
+    """The path a round's record says trained its users (``clients.training_paths.path_metrics``): ``one-step`` when
     some of them trained on it."""
     return "one-step" if record.get("nonprivate_one_step") else \
         ("vectorized" if record.get("nonprivate_vectorized") else "sequential")

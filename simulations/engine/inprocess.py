@@ -36,7 +36,7 @@ from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.checkpoint import recorded_run
 from fed_dp.clients.evaluation import evaluate_params, load_params
 from fed_dp.clients.node import LocalTrainer
-from fed_dp.clients.vectorized import path_metrics
+from fed_dp.clients.training_paths import path_metrics
 from fed_dp.clients.task import Task, initial_model, model_fingerprint
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import simulation

@@ -17,7 +17,7 @@ from fed_dp.clients import one_step, training as sequential
 from fed_dp.clients.losses import classification, multi_label, next_token, regression
 from fed_dp.clients.task import Examples
 from fed_dp.clients.training import LocalRound
-from fed_dp.clients.vectorized import contribution, path_metrics, select_path
+from fed_dp.clients.training_paths import contribution, path_metrics, select_path
 from fed_dp.config import LocalTraining
 from fed_dp.flat import ParamLayout
 

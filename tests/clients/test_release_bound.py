@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from fed_dp.clients import one_step, training as sequential, vectorized
+from fed_dp.clients import one_step, training as sequential, training_paths, vectorized
 from fed_dp.clients.losses import classification, next_token, regression
 from fed_dp.clients.task import Examples
 from fed_dp.clients.training import LocalRound
@@ -187,8 +187,8 @@ def test_a_model_whose_rows_mix_users_is_refused_and_each_user_moves_the_sum_by_
     work = _round(model, 0.1)
     with pytest.raises(one_step.Unsupported, match="depends on the other users of its chunk"):
         one_step.users_contribution([odd] + others, work)
-    with_user, _, path = vectorized.contribution([odd] + others, work)
-    without, _, _ = vectorized.contribution(others, work)
+    with_user, _, path = training_paths.contribution([odd] + others, work)
+    without, _, _ = training_paths.contribution(others, work)
     assert path != "one-step" and float(l2_norm(with_user.total - without.total)) <= 0.1 * (1 + 1e-5)
 
 

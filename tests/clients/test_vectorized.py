@@ -1,4 +1,5 @@
-"""The vectorized path (clients.vectorized) computes the sequential path's contributions (clients.training).
+"""The vectorized path (clients.vectorized) computes the sequential path's contributions (clients.training); the
+choice between them (clients.training_paths) is tested here too.
 
 Both paths run the same local training (same per-user generator, minibatch order, the task's loss, the
 LocalTraining SGD step with momentum and weight decay when set) and the same clip; they differ only in float32 rounding: batched kernels (grouped
@@ -18,6 +19,7 @@ from torch import nn
 
 from fed_dp.clients import losses
 from fed_dp.clients import training as seq
+from fed_dp.clients import training_paths as paths
 from fed_dp.clients import vectorized as vec
 from fed_dp.clients.task import Examples
 from fed_dp.clients.training import LocalRound
@@ -231,17 +233,17 @@ def test_data_dependent_control_flow_falls_back_to_the_sequential_path_with_one_
     model = Branchy()
     _, users, training = _linear_setup()
     kwargs = _kwargs(model, training, clip_norm=1.0, stp=False)
-    monkeypatch.setattr(vec, "select_path", lambda *args, **kw: ("vectorized", ""))  # what auto picks on CUDA
-    vec._reported_fallbacks.discard("Branchy")
+    monkeypatch.setattr(paths, "select_path", lambda *args, **kw: ("vectorized", ""))  # what auto picks on CUDA
+    paths._reported_fallbacks.discard("Branchy")
     with caplog.at_level("WARNING", logger="fed_dp.clients"):
-        result, metrics, path = vec.contribution(users, work(kwargs))
-        again = vec.contribution(users, work(kwargs))
+        result, metrics, path = paths.contribution(users, work(kwargs))
+        again = paths.contribution(users, work(kwargs))
     assert path == "sequential" and again[2] == "sequential"
     expected, expected_metrics = seq.users_contribution(users, work(kwargs))
     assert torch.equal(result.total, expected.total) and metrics == expected_metrics
     assert sum("cannot be vectorized" in r.getMessage() for r in caplog.records) == 1  # said once
     with pytest.raises(RuntimeError):  # forced vectorization: the error, not a silent fallback
-        vec.contribution(users, work(kwargs), vectorized=True)
+        paths.contribution(users, work(kwargs), vectorized=True)
 
 
 class _Normed(nn.Module):
@@ -267,7 +269,7 @@ def test_group_and_layer_norm_are_vectorized(norm):
     model = _Normed(norm)
     assert vec.can_vectorize(model) == (True, "")
     kwargs = _kwargs(model, LocalTraining(epochs=2, batch_size=3, lr=0.1), clip_norm=0.5, stp=False)
-    result, metrics, path = vec.contribution(_normed_users(), work(kwargs), vectorized=True)
+    result, metrics, path = paths.contribution(_normed_users(), work(kwargs), vectorized=True)
     assert path == "vectorized"
     _assert_same((result, metrics), seq.users_contribution(_normed_users(), work(kwargs)))
 
@@ -281,11 +283,11 @@ def test_batchnorm_is_rejected_with_the_reason():
     with pytest.raises(ValueError, match="BatchNorm.*statistics.*leak"):
         vec.users_contribution(_normed_users(), work(kwargs))
     with pytest.raises(ValueError, match="BatchNorm"):
-        vec.contribution(_normed_users(), work(kwargs), vectorized=True)
+        paths.contribution(_normed_users(), work(kwargs), vectorized=True)
     # auto: the sequential path runs (users trained one at a time) and says so
-    result, metrics, path = vec.contribution(_normed_users(), work(kwargs))
+    result, metrics, path = paths.contribution(_normed_users(), work(kwargs))
     assert path == "sequential"
-    assert vec.select_path(model, device="cuda") == ("sequential", reason)
+    assert paths.select_path(model, device="cuda") == ("sequential", reason)
     torch.manual_seed(0)
     fresh = _Normed(nn.BatchNorm2d(4))
     expected, expected_metrics = seq.users_contribution(_normed_users(), work({**kwargs, "model": fresh}))
@@ -304,11 +306,11 @@ def test_active_dropout_falls_back_and_eval_mode_vectorizes():
 def test_dispatcher_reports_the_path_and_the_forced_sequential_path_is_the_sequential_code():
     model, users, training = _linear_setup()
     kwargs = _kwargs(model, training, clip_norm=1.0, stp=True)
-    result, metrics, path = vec.contribution(users, work(kwargs), vectorized=True)
+    result, metrics, path = paths.contribution(users, work(kwargs), vectorized=True)
     assert path == "vectorized"
     assert all(isinstance(v, float) for v in metrics.values())  # ready for a Flower MetricRecord
     _assert_same((result, metrics), seq.users_contribution(users, work(kwargs)))
-    result, metrics, path = vec.contribution(users, work(kwargs), vectorized=False)
+    result, metrics, path = paths.contribution(users, work(kwargs), vectorized=False)
     expected, expected_metrics = seq.users_contribution(users, work(kwargs))
     assert path == "sequential" and torch.equal(result.total, expected.total) and metrics == expected_metrics
 
@@ -342,22 +344,22 @@ def test_auto_path_is_vectorized_on_cuda_and_on_cpu_only_for_small_models_withou
     models without convolutions vectorize there (measured 3-5x faster), convolutions and larger models do not
     (measured 3x and 1.7x slower); forced choices win."""
     model = nn.Linear(3, 2)
-    assert vec.select_path(model, None, torch.device("cuda"))[0] == "vectorized"
-    assert vec.select_path(model, None, "cuda:1")[0] == "vectorized"
-    assert vec.select_path(model, None, "cpu") == ("vectorized", "")
+    assert paths.select_path(model, None, torch.device("cuda"))[0] == "vectorized"
+    assert paths.select_path(model, None, "cuda:1")[0] == "vectorized"
+    assert paths.select_path(model, None, "cpu") == ("vectorized", "")
     conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
-    path, reason = vec.select_path(conv, None, "cpu")
+    path, reason = paths.select_path(conv, None, "cpu")
     assert path == "sequential" and "CPU" in reason and "convolution (0: Conv2d)" in reason
-    assert vec.select_path(conv, None, "cuda")[0] == "vectorized"
-    big = nn.Linear(vec.CPU_VECTORIZE_MAX_PARAMS, 1)  # one parameter over the bound (the bias)
-    path, reason = vec.select_path(big, None, "cpu")
-    assert path == "sequential" and f"{vec.CPU_VECTORIZE_MAX_PARAMS + 1:,} parameters" in reason
-    assert vec.select_path(nn.Linear(vec.CPU_VECTORIZE_MAX_PARAMS - 1, 1), None, "cpu")[0] == "vectorized"
-    assert vec.select_path(conv, True, "cpu")[0] == "vectorized"
-    assert vec.select_path(model, False, "cuda")[0] == "sequential"
+    assert paths.select_path(conv, None, "cuda")[0] == "vectorized"
+    big = nn.Linear(paths.CPU_VECTORIZE_MAX_PARAMS, 1)  # one parameter over the bound (the bias)
+    path, reason = paths.select_path(big, None, "cpu")
+    assert path == "sequential" and f"{paths.CPU_VECTORIZE_MAX_PARAMS + 1:,} parameters" in reason
+    assert paths.select_path(nn.Linear(paths.CPU_VECTORIZE_MAX_PARAMS - 1, 1), None, "cpu")[0] == "vectorized"
+    assert paths.select_path(conv, True, "cpu")[0] == "vectorized"
+    assert paths.select_path(model, False, "cuda")[0] == "sequential"
     model, users, training = _linear_setup()  # two local epochs: not one step, so a model per user
-    _, _, path = vec.contribution(users, work(_kwargs(model, training, clip_norm=1.0, stp=False)))
+    _, _, path = paths.contribution(users, work(_kwargs(model, training, clip_norm=1.0, stp=False)))
     assert path == "vectorized"  # params on the CPU, 455 parameters
     cnn, cnn_users, cnn_training = _w1_setup()
-    _, _, path = vec.contribution(cnn_users, work(_kwargs(cnn, cnn_training, clip_norm=1.0, stp=False)))
+    _, _, path = paths.contribution(cnn_users, work(_kwargs(cnn, cnn_training, clip_norm=1.0, stp=False)))
     assert path == "sequential"  # the W1 CNN on the CPU
