@@ -15,7 +15,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fed_dp.atomic import WriteError
@@ -244,7 +244,10 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(more_commands: Callable[[Any], None] | None = None) -> argparse.ArgumentParser:
+    """The ``fed-dp`` parser with the accounting commands; ``more_commands(commands)`` adds further commands after
+    them (the installed ``fed-dp``: ``fed_dp.simulations.cli``), where ``commands`` is the object that
+    ``ArgumentParser.add_subparsers`` returned (its ``add_parser`` adds one command)."""
     parser = argparse.ArgumentParser(
         prog="fed-dp",
         description="User-level differentially private federated training: accounting tools.",
@@ -265,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--epsilon", type=float, required=True, metavar="E", help="target user-level epsilon")
     _add_mechanism_arguments(cal, with_noise_multiplier=False)
     cal.set_defaults(run=_run_calibrate)
+    if more_commands is not None:
+        more_commands(commands)
     return parser
 
 

@@ -226,8 +226,25 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = accounting_cli.build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    """The ``fed-dp`` parser: the accounting commands of ``fed_dp.cli``, then the simulation commands."""
+    return accounting_cli.build_parser(_add_commands)
+
+
+def _add_commands(commands: Any) -> None:
+    """The commands of this layer, in the order ``fed-dp --help`` lists them (``commands``: what
+    ``ArgumentParser.add_subparsers`` returned)."""
+    _add_simulate(commands)
+    _add_compare(commands)
+    _add_plot(commands)
+    _add_audit(commands)
+    _add_submit(commands)
+    _add_node_service(commands)
+    _add_new(commands)
+    _add_benchmark(commands)
+
+
+def _add_simulate(commands: Any) -> None:
+    """``fed-dp simulate``."""
     simulate = commands.add_parser(
         "simulate", help="run a simulation (default: the built-in main job)",
         description="Train the optimizers of a config on a task partitioned by user, with user-level DP, "
@@ -235,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_arguments(simulate)
     simulate.set_defaults(run=_run_simulation)
+
+
+def _add_compare(commands: Any) -> None:
+    """``fed-dp compare``."""
     compare = commands.add_parser(
         "compare", help="compare several optimizers on one config with the same seeds",
         description="Run several optimizers on one config with the same seeds and print a table.",
@@ -243,11 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--optimizers", required=True, metavar="A,B,C",
                          help="comma-separated optimizer names (fed_dp.optimizers.OPTIMIZERS)")
     compare.set_defaults(run=_run_simulation)
+
+
+def _add_plot(commands: Any) -> None:
+    """``fed-dp plot``."""
     plot = commands.add_parser("plot", help="write PNG figures of results folders",
                                description="Write metrics, per-group and second-moment figures as PNG.")
     plot.add_argument("folders", nargs="+", metavar="DIR", help="results folders written by simulate/compare")
     plot.add_argument("--out", metavar="DIR", help="where to write the figures (default: the first folder)")
     plot.set_defaults(run=_run_plot)
+
+
+def _add_audit(commands: Any) -> None:
+    """``fed-dp audit``."""
     audit = commands.add_parser(
         "audit", help="empirical privacy of a config: one run with canary users, a test of the mechanism against "
         "its accounting, an epsilon estimate and a lower bound",
@@ -284,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "noise); never for training (default 1)")
     audit.add_argument("--json", action="store_true", help="one JSON object per threat model, one per line")
     audit.set_defaults(run=_run_audit)
+
+
+def _add_submit(commands: Any) -> None:
+    """``fed-dp submit``."""
     submit = commands.add_parser(
         "submit", help="submit a Flower run to a SuperLink and exit 1 unless it completed",
         description="Run `flwr run APP FEDERATION --stream` (the log is printed as it comes), then read the run's "
@@ -295,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--app", default=".", help="the Flower app folder (default: the current folder)")
     submit.add_argument("--run-config", metavar='"KEY=VALUE ..."', help="run-config overrides, as for flwr run")
     submit.set_defaults(run=_run_submit)
+
+
+def _add_node_service(commands: Any) -> None:
+    """``fed-dp node-service``."""
     service = commands.add_parser(
         "node-service", help="keep a SuperNode's task, data and model loaded across messages (Unix socket)",
         description="Serve the project's ClientApp handlers on a Unix socket (mode 0600) until SIGTERM, so that a "
@@ -304,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     service.add_argument("--socket", required=True, metavar="PATH", help="the socket file to create")
     service.set_defaults(run=_run_node_service)
+
+
+def _add_new(commands: Any) -> None:
+    """``fed-dp new``."""
     new = commands.add_parser(
         "new", help="write a Flower app that trains with UserLevelDP, ready for `flwr run FOLDER`",
         description="Write a runnable Flower app into FOLDER (which must not exist or be empty; its name is the "
@@ -315,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="task.py's model: a small torch model (default), or hf: a Hugging Face GPT-2 fine-tuned "
                           "with a LoRA adapter (needs transformers and peft: pip install -e \".[hf]\")")
     new.set_defaults(run=_run_new)
+
+
+def _add_benchmark(commands: Any) -> None:
+    """``fed-dp benchmark``."""
     benchmark = commands.add_parser(
         "benchmark", help="measure W1 against Flower's DP simulation, cohort scaling, noise and accounting costs",
         description="Run the benchmark workloads (docs/explanation/benchmarks.md) side by side in one invocation and print medians, "
@@ -322,7 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _benchmark_arguments(benchmark)
     benchmark.set_defaults(run=_run_benchmark)
-    return parser
 
 
 def _run_new(args: argparse.Namespace) -> None:

@@ -326,3 +326,55 @@ def test_the_in_process_simulator_imports_no_flower():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _argparse_internals() -> set[str]:
+    """The private names of argparse's module and of the objects it hands out (a parser, what ``add_subparsers``,
+    ``add_argument_group``, ``add_mutually_exclusive_group`` and ``add_argument`` return, a HelpFormatter)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    objects = (argparse, parser, parser.add_subparsers(), parser.add_argument_group("group"),
+               parser.add_mutually_exclusive_group(), parser.add_argument("--option"), argparse.HelpFormatter("prog"))
+    return {name for thing in objects for name in dir(thing) if name.startswith("_") and not name.startswith("__")}
+
+
+def _argparse_private_uses(path: Path, internals: set[str]) -> list[str]:
+    """``file:line name`` of each attribute of ``path`` named like one of argparse's internals (``parser._actions``,
+    ``argparse._SubParsersAction``, a formatter's ``_split_lines``), and each method of a class derived from an
+    argparse class that overrides one."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = [f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in internals]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any("argparse" in ast.unparse(base) for base in node.bases):
+            found += [f"{path.relative_to(ROOT)}:{item.lineno} {item.name}" for item in node.body
+                      if isinstance(item, ast.FunctionDef) and item.name in internals]
+    return found
+
+
+def test_the_commands_use_only_public_argparse():
+    """argparse's private attributes (a parser's ``_actions``, ``_SubParsersAction``, HelpFormatter's methods) change
+    between Python versions without notice: the command lines are built with its documented API only."""
+    internals = _argparse_internals()
+    assert {"_actions", "_SubParsersAction", "_option_string_actions", "_split_lines"} <= internals
+    uses = [use for path in _modules() + [ROOT / "fed_dp" / "__init__.py"]
+            for use in _argparse_private_uses(path, internals)]
+    assert not uses, f"argparse internals used: {uses}"
+
+
+def test_the_argparse_reader_sees_private_attributes_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    path = tmp_path / "cli.py"
+    path.write_text("""import argparse
+
+parser = argparse.ArgumentParser()
+commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+class Wide(argparse.HelpFormatter):
+    def _split_lines(self, text, width):
+        return [text]
+""")
+    assert _argparse_private_uses(path, _argparse_internals()) == [
+        "cli.py:4 _actions", "cli.py:4 _SubParsersAction", "cli.py:8 _split_lines"]
