@@ -502,6 +502,16 @@ class UserLevelDP(Strategy):
                  f"sampler and noise from the server's seed (reproducible research run), {self.noise_source} noise"
                  if self.seed is not None else f"seeds from OS entropy, {self.noise_source} noise")
 
+    def _refuse_federated_evaluation(self, evaluate_config: ConfigRecord | None) -> None:
+        """A ValueError when ``start`` is given an ``evaluate_config`` or a subclass overrides Flower's federated
+        evaluation methods: UserLevelDP evaluates centrally only (``evaluate_fn``)."""
+        overridden = [name for name in ("configure_evaluate", "aggregate_evaluate")
+                      if getattr(type(self), name) is not getattr(UserLevelDP, name)]
+        if evaluate_config or overridden:
+            ignored = f": {type(self).__name__}'s {' and '.join(overridden)} would never run" if overridden else ""
+            raise ValueError("UserLevelDP does not run federated evaluation (it would read users' data outside the "
+                             f"privacy guarantee){ignored}; evaluate centrally with evaluate_fn")
+
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
               timeout: float = SERVER_DEFAULTS.reply_timeout,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
@@ -524,12 +534,7 @@ class UserLevelDP(Strategy):
         ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
         checkpoint resumable.
         """
-        overridden = [name for name in ("configure_evaluate", "aggregate_evaluate")
-                      if getattr(type(self), name) is not getattr(UserLevelDP, name)]
-        if evaluate_config or overridden:
-            ignored = f": {type(self).__name__}'s {' and '.join(overridden)} would never run" if overridden else ""
-            raise ValueError("UserLevelDP does not run federated evaluation (it would read users' data outside the "
-                             f"privacy guarantee){ignored}; evaluate centrally with evaluate_fn")
+        self._refuse_federated_evaluation(evaluate_config)
         configure_logging()  # a ServerApp's output shows every round's ε, as Flower's strategies show theirs
         if self.state is None:
             self._initialize(initial_arrays)
