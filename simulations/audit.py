@@ -374,20 +374,8 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
     ``[client]``), canaries included. ``canary_kind``: ``"trained"`` (users trained and clipped by the clients)
     or ``"injected"`` (:data:`CANARY_KINDS`); ``canary_norm``: K, a trained canary's update before its clip over
     ζ (default :func:`default_canary_norm` of the accounted σ and B)."""
-    if not (isinstance(canaries, int) and canaries >= 4):
-        raise ValueError(f"canaries must be an integer >= 4, got {canaries!r}")
-    if not (isinstance(noise_scale, (int, float)) and math.isfinite(noise_scale) and noise_scale >= 0):
-        raise ValueError(f"noise_scale must be a finite number >= 0 (1: the real mechanism), got {noise_scale!r}")
-    if canary_kind not in CANARY_KINDS:
-        raise ValueError(f"canary_kind must be one of {', '.join(CANARY_KINDS)}, got {canary_kind!r}")
-    if canary_norm is not None and not (isinstance(canary_norm, (int, float)) and math.isfinite(canary_norm)
-                                        and canary_norm >= 1):
-        raise ValueError(f"canary_norm must be a finite number >= 1 (a multiple of the clip norm), got {canary_norm!r}")
+    _check_audit_arguments(canaries, noise_scale, canary_kind, canary_norm, optimizer)
     trained = canary_kind == "trained"
-    if trained and optimizer.needs.broadcast_scale:
-        raise ValueError("trained canaries cannot audit scale-then-privatize: users clip s_t ⊙ Δ, so a canary's "
-                         "released direction would depend on s_t; audit it with injected canaries "
-                         "(--canary-kind injected)")
     if no_noise:
         noise_scale = 0.0
     with simulation():
@@ -408,11 +396,7 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
                                           seed=seed)  # frozen parameters as initial_model built them
         else:
             layout, params = real_layout, real_params
-            if layout.size < 2 * canaries:
-                raise ValueError(f"injected canaries need a model of at least 2 × canaries parameters to tell "
-                                 f"{canaries} canary directions apart; this one has d = {layout.size}. Use "
-                                 f"--canaries {max(4, layout.size // 2)} or fewer, or trained canaries")
-            space = CanarySpace.of(0, _canary_directions(canaries, layout.size, derive_seed(seed, "canaries")))
+            space = _injected_canaries(canaries, layout.size, derive_seed(seed, "canaries"))
         extra = layout.size - real_layout.size  # the probe's coordinates (0 for injected canaries)
         trainer = None if mechanism_only else LocalTrainer(task, local, device=device, training=training,
                                                            chunk_size=chunk_size, seed=seed)
@@ -447,19 +431,9 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
                                           unclipped=len(canary_users), scaled=plan.scale is not None))
             return RoundReplies([_summed(parts)])
 
-        per_round = torch.zeros(canaries, dtype=torch.float64)
-        previous = {"params": state.params.clone()}
-
-        def observe(rounds_done: int, theta: torch.Tensor) -> dict[str, float]:
-            """Sees every released model (the all-iterates adversary)."""
-            change = (theta - previous["params"]).double()
-            if float(change.norm()) > 0:
-                per_round.add_(space.coefficients(change) / change.norm())
-            previous["params"] = theta.clone()
-            return {}
-
+        observe = _AllIterates(space, state.params, canaries)
         loop = run_rounds(state, exchange, evaluate=observe, eval_every=1, max_empty_rounds=10**9)
-    scores = {"final-model": space.coefficients(loop.state.params - params), "all-iterates": per_round}
+    scores = {"final-model": space.coefficients(loop.state.params - params), "all-iterates": observe.scores}
     accounted = math.inf if no_noise else float(loop.records[-1]["epsilon"])
     reason = _untested_reason(privacy, mechanism_only=mechanism_only, no_noise=no_noise, canary_kind=canary_kind)
     verdicts = len(THREAT_MODELS) + (2 if reason is None else 0)
@@ -471,28 +445,88 @@ def run_audit(task: Task, privacy: PrivacyConfig, optimizer: ServerOptimizer, lo
                          canary_paths=tuple(sorted(paths)), verdicts=verdicts, verdict_confidence=each,
                          lower_bound_cap=lower_bound_cap(canaries, privacy.delta, confidence=each),
                          scores=scores, inserted_mask=inserted)
-    for name in THREAT_MODELS:
-        estimate, mu = gaussian_fit_epsilon(scores[name][inserted], scores[name][~inserted], privacy.delta)
-        bound = one_run_lower_bound(scores[name], inserted, privacy.delta, confidence=each)
-        verdict = lower_bound_verdict(bound["epsilon_lower_bound"], result.lower_bound_cap, accounted, each)
-        result.results[name] = {"epsilon_estimate": estimate, "mu": mu, **bound, "lower_bound_verdict": verdict}
+    _estimate_and_bound(result)
     sigma = _accounted_noise_multiplier(privacy, optimizer, layout.size)
     released = loop.state.round  # T: the noisy sums released (the records also hold round 0, the initial model)
     law = {"noise_multiplier": sigma, "rounds": released, "sampling_rate": privacy.sampling_rate,
            "confidence": each}
     if reason is None:
-        groups = (result.inserted, canaries - result.inserted)
-        result.mechanism_test = {**mechanism_test(audited.sums, inserted, **law),
-                                 "power_half_noise": mechanism_test_power(*groups, **law, noise_scale=0.5),
-                                 "noise_scale_80": detectable_noise_scale(*groups, **law, power=0.8)}
-        result.clip_test = clip_test(audited.maxima, inserted, **law,
-                                     unclipped_score=unclipped_score(canary_norm, min(nodes)) if nodes else None)
+        _statistical_tests(result, audited, law, canary_norm, nodes)
     else:
         result.mechanism_test = result.clip_test = {"verdict": "not tested", "reason": reason}
         if not no_noise:  # what the training's drift adds to the noise, in units of the accounted noise
             spread = float(audited.sums[~inserted].std()) / (sigma * math.sqrt(released))
             result.mechanism_test = {**result.mechanism_test, "held_out_spread": spread}
     return result
+
+
+def _check_audit_arguments(canaries: Any, noise_scale: Any, canary_kind: Any, canary_norm: Any,
+                           optimizer: ServerOptimizer) -> None:
+    """The ValueErrors of :func:`run_audit` for arguments it cannot audit with, before anything runs."""
+    if not (isinstance(canaries, int) and canaries >= 4):
+        raise ValueError(f"canaries must be an integer >= 4, got {canaries!r}")
+    if not (isinstance(noise_scale, (int, float)) and math.isfinite(noise_scale) and noise_scale >= 0):
+        raise ValueError(f"noise_scale must be a finite number >= 0 (1: the real mechanism), got {noise_scale!r}")
+    if canary_kind not in CANARY_KINDS:
+        raise ValueError(f"canary_kind must be one of {', '.join(CANARY_KINDS)}, got {canary_kind!r}")
+    if canary_norm is not None and not (isinstance(canary_norm, (int, float)) and math.isfinite(canary_norm)
+                                        and canary_norm >= 1):
+        raise ValueError(f"canary_norm must be a finite number >= 1 (a multiple of the clip norm), got {canary_norm!r}")
+    if canary_kind == "trained" and optimizer.needs.broadcast_scale:
+        raise ValueError("trained canaries cannot audit scale-then-privatize: users clip s_t ⊙ Δ, so a canary's "
+                         "released direction would depend on s_t; audit it with injected canaries "
+                         "(--canary-kind injected)")
+
+
+def _injected_canaries(canaries: int, size: int, seed: int) -> CanarySpace:
+    """The directions of injected canaries in the model's own d = ``size`` coordinates; a ValueError when d is too
+    small to tell them apart."""
+    if size < 2 * canaries:
+        raise ValueError(f"injected canaries need a model of at least 2 × canaries parameters to tell "
+                         f"{canaries} canary directions apart; this one has d = {size}. Use "
+                         f"--canaries {max(4, size // 2)} or fewer, or trained canaries")
+    return CanarySpace.of(0, _canary_directions(canaries, size, seed))
+
+
+class _AllIterates:
+    """The all-iterates adversary's scores: sees every released model (a ``run_rounds`` evaluation) and adds each
+    round's change, projected on the canary directions and divided by its norm."""
+
+    def __init__(self, space: CanarySpace, params: torch.Tensor, canaries: int) -> None:
+        self.space, self.previous = space, params.clone()
+        self.scores = torch.zeros(canaries, dtype=torch.float64)
+
+    def __call__(self, rounds_done: int, theta: torch.Tensor) -> dict[str, float]:
+        change = (theta - self.previous).double()
+        if float(change.norm()) > 0:
+            self.scores.add_(self.space.coefficients(change) / change.norm())
+        self.previous = theta.clone()
+        return {}
+
+
+def _estimate_and_bound(result: AuditResult) -> None:
+    """For each threat model, from its scores: the ε estimate of a Gaussian fit, the one-run lower bound and its
+    verdict against the accounted ε."""
+    inserted, delta, each = result.inserted_mask, result.delta, result.verdict_confidence
+    for name in THREAT_MODELS:
+        scores = result.scores[name]
+        estimate, mu = gaussian_fit_epsilon(scores[inserted], scores[~inserted], delta)
+        bound = one_run_lower_bound(scores, inserted, delta, confidence=each)
+        verdict = lower_bound_verdict(bound["epsilon_lower_bound"], result.lower_bound_cap, result.epsilon_accounted,
+                                      each)
+        result.results[name] = {"epsilon_estimate": estimate, "mu": mu, **bound, "lower_bound_verdict": verdict}
+
+
+def _statistical_tests(result: AuditResult, audited: AuditPrivatizer, law: dict[str, Any], canary_norm: float,
+               nodes: list[int]) -> None:
+    """The mechanism test (with its power at half the noise and the noise scale it detects with power 0.8) and the
+    clip test, on the noisy sums and per-round maxima the audited privatizer kept."""
+    inserted, groups = result.inserted_mask, (result.inserted, result.canaries - result.inserted)
+    result.mechanism_test = {**mechanism_test(audited.sums, inserted, **law),
+                             "power_half_noise": mechanism_test_power(*groups, **law, noise_scale=0.5),
+                             "noise_scale_80": detectable_noise_scale(*groups, **law, power=0.8)}
+    result.clip_test = clip_test(audited.maxima, inserted, **law,
+                                 unclipped_score=unclipped_score(canary_norm, min(nodes)) if nodes else None)
 
 
 #: ``[server]`` keys of a run configuration that the audit does not act on (it refuses them).
