@@ -58,7 +58,17 @@ __all__ = ["TrainResult", "train"]
 class TrainResult:
     """A finished simulation: the trained model, the user-level ε spent at δ (``"not private"`` for the
     noiseless baselines), the resolved privacy config (σ after calibration), one record per round, why the
-    run stopped early (the ε budget) if it did, and the final server state."""
+    run stopped early (the ε budget) if it did, and the final server state.
+
+    Records: one per released round t = 1 … T (``"round": t``), preceded, when the task evaluates, by the record
+    of round 0 (the initial model's evaluation, ε 0). Public keys: ``round``, ``epsilon``, ``delta``,
+    ``update_norm``, the optimizer's diagnostics, ``clip_norm`` / ``next_clip_norm`` (adaptive clipping) and the
+    evaluation's metrics. What is computed from users' data outside the mechanism is kept under keys prefixed
+    ``nonprivate_``: ``nonprivate_cohort_size``, ``nonprivate_train_loss``, ``nonprivate_fraction_clipped``,
+    ``nonprivate_mean_update_norm``, ``nonprivate_round_seconds`` and the others of ``fed_dp.records.RECORD_KEYS``
+    (the table of every key); they stay in memory and in the checkpoint's secret part, and ``results.json`` and
+    the public checkpoint never hold them.
+    """
 
     model: nn.Module
     params: torch.Tensor
@@ -128,36 +138,19 @@ def train(
         ``"auto"`` (``server.noise-source``'s default: torch in a simulation).
     on_phase: called at each phase boundary of a round (``fed_dp.round_loop.PHASES``).
 
-    Records: one per released round t = 1 … T (``"round": t``), preceded, when the task evaluates, by the record
-    of round 0 (the initial model's evaluation, ε 0). Public keys: ``round``, ``epsilon``, ``delta``,
-    ``update_norm``, the optimizer's diagnostics, ``clip_norm`` / ``next_clip_norm`` (adaptive clipping) and the
-    evaluation's metrics. What is computed from users' data outside the mechanism is kept under keys prefixed
-    ``nonprivate_``: ``nonprivate_cohort_size``, ``nonprivate_train_loss``, ``nonprivate_fraction_clipped``,
-    ``nonprivate_mean_update_norm``, ``nonprivate_round_seconds`` and the others of ``fed_dp.records.RECORD_KEYS``
-    (the table of every key); they stay in memory and in the checkpoint's secret part, and ``results.json`` and
-    the public checkpoint never hold them.
+    The records (one per round, and round 0's evaluation): :class:`TrainResult`.
     A user whose examples fail to load or whose training raises stops the run with
     ``fed_dp.round_loop.TrainingStopped``, naming the round and the user, before that round is released; the
     model after the last released round is the error's ``result`` (a TrainResult) and, with ``checkpoint_dir``,
     committed there. A failure that is not one user's (every user tried fails alone, or only training them together
     fails) in the first round is a configuration error instead: ValueError, with the original error as its cause.
     """
-    if not isinstance(task, Task):
-        raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")
-    local = local if local is not None else LocalTraining()
-    if not isinstance(local, LocalTraining):
-        raise ValueError(f"local must be a fed_dp LocalTraining, got {type(local).__name__}")
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
-        raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
-    seed, training_seed = check_seed("seed", seed), check_seed("training_seed", training_seed)
+    local, seed, training_seed = _checked_arguments(task, local, eval_every, seed, training_seed)
     workers = current_workers()  # under torchrun: rank 0 runs the loop, every rank trains a share of the cohort
     with simulation():
         if isinstance(optimizer, str):
             optimizer = make_optimizer(optimizer)
-        run_seed = training_seed if training_seed is not None else seed if seed is not None else _drawn_seed(
-            checkpoint_dir if workers is None or workers.leader else None)
-        if workers is not None:
-            run_seed = share_seed(workers, run_seed)
+        run_seed = _run_seed(seed, training_seed, checkpoint_dir, workers)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
         model, layout, params = initial_model(task, run_seed)
         # built from the same seed: its frozen parameters are the initial model's
@@ -183,14 +176,10 @@ def train(
                               max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase, setup=setup)
         except TrainingStopped as stop:  # the model after the last released round comes back with the error
             stop.result = _stopped_result(model, layout, privacy, stop)
-            if workers is not None:
-                stop_workers(workers)
-                dist.broadcast_object_list([None], src=0)
+            _release_workers(workers)
             raise
         except BaseException:
-            if workers is not None:  # between rounds: the workers wait for a header, then for the result
-                stop_workers(workers)
-                dist.broadcast_object_list([None], src=0)
+            _release_workers(workers)
             raise
         finally:
             if bar is not None:
@@ -201,6 +190,38 @@ def train(
     if workers is not None:
         dist.broadcast_object_list([_public(result)], src=0)
     return result
+
+
+def _checked_arguments(task: Task, local: LocalTraining | None, eval_every: int, seed: int | None,
+                       training_seed: int | None) -> tuple[LocalTraining, int | None, int | None]:
+    """``train``'s ValueErrors for arguments of the wrong kind; the local training (default ``LocalTraining()``) and
+    the two seeds, checked."""
+    if not isinstance(task, Task):
+        raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")
+    local = local if local is not None else LocalTraining()
+    if not isinstance(local, LocalTraining):
+        raise ValueError(f"local must be a fed_dp LocalTraining, got {type(local).__name__}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
+    return local, check_seed("seed", seed), check_seed("training_seed", training_seed)
+
+
+def _run_seed(seed: int | None, training_seed: int | None, checkpoint_dir: str | None, workers: Workers | None) -> int:
+    """The seed of the model and local training: ``training_seed``, else ``seed``, else drawn (or a resumed
+    checkpoint's); under torchrun rank 0's, shared with every rank."""
+    run_seed = training_seed if training_seed is not None else seed if seed is not None else _drawn_seed(
+        checkpoint_dir if workers is None or workers.leader else None)
+    if workers is not None:
+        run_seed = share_seed(workers, run_seed)
+    return run_seed
+
+
+def _release_workers(workers: Workers | None) -> None:
+    """Under torchrun, after the loop failed: the other ranks stop (between rounds they wait for a header, then for
+    the result, which is None)."""
+    if workers is not None:
+        stop_workers(workers)
+        dist.broadcast_object_list([None], src=0)
 
 
 def _drawn_seed(checkpoint_dir: str | None) -> int:
