@@ -328,6 +328,40 @@ def test_the_in_process_simulator_imports_no_flower():
     assert done.stdout.strip() == "[]"
 
 
+#: The longest a function may be, in lines from its ``def`` to its last line (docstring included): a longer one does
+#: several things that each deserve a name (issue 41).
+MAX_FUNCTION_LINES = 100
+#: Every Python file of ours: the layers, the tests, the examples and the docs' hooks.
+CHECKED_FOLDERS = (*LAYERS, "tests", "examples", "docs")
+
+
+def _our_files() -> list[Path]:
+    return sorted(p for folder in CHECKED_FOLDERS for p in (ROOT / folder).rglob("*.py") if not _through_link(p))
+
+
+def _long_functions(path: Path) -> list[str]:
+    """``file:line name (n lines)`` of each function or method of ``path`` longer than :data:`MAX_FUNCTION_LINES`,
+    nested ones included; n = end_lineno − lineno + 1 of the ``def`` (decorators not counted, the docstring counted)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_longer_than_100_lines():
+    long = [entry for path in _our_files() for entry in _long_functions(path)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+
+
+def test_the_length_reader_counts_from_the_def_to_the_last_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    body = "\n".join(f"    x{i} = {i}" for i in range(98))
+    path = tmp_path / "long.py"
+    path.write_text(f'@decorator\ndef fits():\n    """doc"""\n{body}\n\n\nclass C:\n    def over(self):\n'
+                    f'        """doc"""\n        y = 0\n{body.replace("    ", "        ")}\n')
+    assert _long_functions(path) == ["long.py:105 over (101 lines)"]  # fits: 100 lines, its decorator not counted
+
+
 def _argparse_internals() -> set[str]:
     """The private names of argparse's module and of the objects it hands out (a parser, what ``add_subparsers``,
     ``add_argument_group``, ``add_mutually_exclusive_group`` and ``add_argument`` return, a HelpFormatter)."""
