@@ -49,7 +49,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "<!-- Generated from fed_dp/run_config.py by `python -m fed_dp.run_config > docs/reference/configuration.md`;"
+        "<!-- Generated from fed_dp/run_schema.py by `python -m fed_dp.run_config > docs/reference/configuration.md`;"
         " do not edit by hand. -->",
         "",
         "Every key of a run, read by `fed-dp simulate` / `compare` TOML files (tables `[task]`, `[privacy]`, ...),"

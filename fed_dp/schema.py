@@ -1,9 +1,9 @@
 """The run configuration's schema, written on the section dataclasses themselves.
 
-A field of a section (``PrivacyConfig``, ``LocalTraining`` and the ``*Settings`` of :mod:`fed_dp.run_config`) is a
+A field of a section (``PrivacyConfig``, ``LocalTraining`` and the ``*Settings`` of :mod:`fed_dp.run_schema`) is a
 run-configuration key when it is declared with :func:`setting`: its Python default is the key's default, and its
 metadata holds the key's meaning and, for text keys, its choices. :func:`keys_of` reads a section back as
-:class:`Key` rows (``fed_dp.run_config.KEYS``), from which the Flower run-config table and the configuration
+:class:`Key` rows (``fed_dp.run_schema.KEYS``), from which the Flower run-config table and the configuration
 reference are generated, so each default, meaning and choice list is written once.
 
 A key whose default is None is *optional*: unset unless given. A Flower run config cannot leave a key out, so

@@ -3,4 +3,4 @@ dataset files, federated datasets (LEAF, StackOverflow, FLAIR), the tokenizer, p
 
 The built-in tasks' short names (``task.ref = "heavy-tail"``) are this package's table in pyproject.toml's
 entry-point group ``fed_dp.tasks``; the core reads it from the installed metadata
-(``fed_dp.run_config.registered_tasks``) without naming this package."""
+(``fed_dp.task_registry.registered_tasks``) without naming this package."""

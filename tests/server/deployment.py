@@ -1,5 +1,6 @@
 """The deployment tests' run config and checks; the deployment itself (SuperLink, SuperNodes and ``flwr run`` as
-processes on 127.0.0.1) is ``fed_dp.server.local_deployment``, whose names this module re-exports for the tests.
+processes on 127.0.0.1) is ``fed_dp.simulations.launch.local_deployment``, whose names this module re-exports for
+the tests.
 """
 
 from __future__ import annotations
