@@ -134,3 +134,46 @@ def test_the_flower_app_page_writes_the_strategys_signatures_as_the_code_has_the
     page = " ".join((DOCS / "how-to" / "flower-app.md").read_text(encoding="utf-8").split())
     assert f"`UserLevelDP({_written_signature(UserLevelDP.__init__)})`" in page
     assert f"`start({_written_signature(UserLevelDP.start)})`" in page
+
+
+_DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+HISTORY = DOCS / "reference" / "benchmark-history.md"
+
+
+def _words(folder: str) -> int:
+    return sum(len(page.read_text(encoding="utf-8").split()) for page in (DOCS / folder).glob("*.md"))
+
+
+def test_tutorials_and_how_tos_carry_more_of_the_docs_than_explanation():
+    """Issue 40 item 9: the explanation pages held 45% of the words, more than the tutorials and how-to guides
+    together (dated lab reports among them); the pages a reader acts on must outweigh them, and explanation stays
+    under 40% of the docs (it is about a third once the measurements are rows of the history page)."""
+    words = {folder: _words(folder) for folder in ("tutorials", "how-to", "reference", "explanation")}
+    assert words["tutorials"] + words["how-to"] > words["explanation"], words
+    assert words["explanation"] < 0.4 * sum(words.values()), words
+
+
+@pytest.mark.parametrize("page", sorted((DOCS / "explanation").glob("*.md")), ids=lambda p: p.name)
+def test_explanation_pages_hold_no_dated_measurement(page):
+    """A dated measurement is a row of the benchmarks' history (docs/reference/benchmark-history.md), with its
+    commit and machine; an explanation says why, and links there for the figures."""
+    prose = _prose(page.read_text(encoding="utf-8"))
+    assert not _DATE.findall(prose), (page.name, _DATE.findall(prose))
+
+
+def test_the_benchmarks_history_is_tables_of_date_commit_machine_workload_figure():
+    """Every table of the history page has the five columns, and every row names a commit (a short hash, or
+    'before <hash>' where the figure was measured before the commit that recorded it)."""
+    text = HISTORY.read_text(encoding="utf-8")
+    tables = re.findall(r"^\|.*\|\n\|[-| ]+\|\n(?:^\|.*\|\n)+", text, flags=re.M)
+    assert len(tables) >= 10
+    for table in tables:
+        header, _, *rows = table.strip().split("\n")
+        assert [cell.strip() for cell in header.strip("|").split("|")] == ["date", "commit", "machine", "workload",
+                                                                          "figure"], header
+        for row in rows:
+            cells = [cell.strip() for cell in row.strip("|").split("|")]
+            assert len(cells) == 5, row
+            assert re.fullmatch(r"(before )?[0-9a-f]{7}", cells[1]), row
+            assert cells[0] and cells[2] and cells[3] and cells[4], row
+    assert "benchmark-history.md" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
