@@ -27,8 +27,8 @@ MODULE_REFERENCE = re.compile(r"fed_dp(\.\w+)*(:[\w.]+)?")
 
 
 def _modules() -> list[Path]:
-    """Every module of every layer, subpackages included (the core's symlinks to the other folders, which a
-    worktree may have, are not followed: those modules belong to their own folder)."""
+    """Every module of every layer, subpackages included (the core's links to the other folders, fed_dp/clients
+    etc., which let editors follow the imports, are not followed: those modules belong to their own folder)."""
     return sorted(p for folder in LAYERS for p in (ROOT / folder).rglob("*.py")
                   if p != ROOT / "fed_dp" / "__init__.py" and not _through_link(p))
 
