@@ -34,7 +34,9 @@ Core modules (docs/explanation/mechanism.md):
     noise              privatizers: streaming independent / BandMF / BLT Gaussian noise
     aggregation        the DP query: noisy sum over the fixed denominator B
     sampling           user samplers, each with its dp_accounting event
-    accounting         ε with dp_accounting, the per-round ε schedule in O(T), calibration of σ, ledger with budget
+    accounting         ε with dp_accounting, the per-round ε schedule in O(T), calibrate_noise_multiplier, ledger
+                       with budget
+    calibration        the σ search on a mechanism (its event as a function of σ, accountant, δ), certified
     adaptive_clipping  quantile-tracking clip norm with its noise split
     optimizers         server optimizers as pure transforms: DP-FedAvg/SGD, DP-Adam(BC/W/W-BC), IME, STP, AdaGrad
     moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation

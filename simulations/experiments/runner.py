@@ -248,7 +248,7 @@ def run_experiment(
         f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seeds.training}")
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
     # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
-    note = accounting_note(privacy)
+    note = accounting_note(privacy.rounds, privacy.accountant)
     if note is not None:
         log(note)
     schedule = epsilon_schedule(privacy).epsilons
