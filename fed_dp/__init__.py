@@ -5,7 +5,8 @@ fed-dp trains with user-level differential privacy on Flower and PyTorch.
 The public API, importable from here (loaded on first use, so ``import fed_dp`` stays light):
 
     Bring your task                Task, Users, Examples, losses, evaluation, load_task, build_task
-    Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer
+    Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer;
+                                   RunPlan (what an engine executes, built once: UserLevelDP(plan=...))
     Simulate in this process       train -> TrainResult (TrainingStopped, with .result, when a user fails)
     Checkpoint folders             FolderInUseError (another run owns it), CheckpointWriteError (a write failed)
     Run on Flower (server side)    UserLevelDP (a flwr Strategy; UserLevelDP.from_run_config), model_arrays,
@@ -27,6 +28,7 @@ Core modules (docs/explanation/mechanism.md):
     config             PrivacyConfig (sampler, noise and accounting from one object), LocalTraining
     schema             a setting of the run configuration (key, type, default, help), written on the dataclasses
     run_config         the one run-configuration schema: every key, its type, default and meaning
+    plan               RunPlan: what an engine executes (privacy, optimizer, local training, seeds, ...), built once
     flat               ParamLayout — a model update as one float32 vector and back
     clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
     factorization      BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
@@ -77,6 +79,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "LocalTraining": ("fed_dp.config", "LocalTraining"),
     "AdaptiveClipConfig": ("fed_dp.adaptive_clipping", "AdaptiveClipConfig"),
     "RunConfig": ("fed_dp.run_config", "RunConfig"),
+    "RunPlan": ("fed_dp.plan", "RunPlan"),
     "make_optimizer": ("fed_dp.optimizers", "make_optimizer"),
     "OPTIMIZERS": ("fed_dp.optimizers", "OPTIMIZERS"),
     "epsilon": ("fed_dp.accounting", "epsilon"),
