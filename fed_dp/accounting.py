@@ -36,7 +36,7 @@ from typing import Any
 
 import dp_accounting
 import numpy as np
-from dp_accounting import pld, rdp
+from dp_accounting import rdp
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution
 
