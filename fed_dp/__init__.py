@@ -5,7 +5,8 @@ fed-dp trains with user-level differential privacy on Flower and PyTorch.
 The public API, importable from here (loaded on first use, so ``import fed_dp`` stays light):
 
     Bring your task                Task, Users, Examples, losses, evaluation, load_task, build_task
-    Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer
+    Configure                      PrivacyConfig, LocalTraining, AdaptiveClipConfig, RunConfig, make_optimizer;
+                                   RunPlan (what an engine executes, built once: UserLevelDP(plan=...))
     Simulate in this process       train -> TrainResult (TrainingStopped, with .result, when a user fails)
     Checkpoint folders             FolderInUseError (another run owns it), CheckpointWriteError (a write failed)
     Run on Flower (server side)    UserLevelDP (a flwr Strategy; UserLevelDP.from_run_config), model_arrays,
@@ -31,6 +32,7 @@ Core modules (docs/explanation/mechanism.md):
     run_parsing        TOML tables, --set overrides and Flower run configs read into the sections
     run_rendering      the Flower run-config table and the configuration reference, generated from the schema
     task_registry      tasks by short name (the entry-point group fed_dp.tasks)
+    plan               RunPlan: what an engine executes (privacy, optimizer, local training, seeds, ...), built once
     flat               ParamLayout — a model update as one float32 vector and back
     clipping           L2 clip of whole user updates; scaled-geometry clip (scale-then-privatize)
     factorization      BandMF strategy matrices C (banded, Toeplitz, optimized for a workload)
@@ -38,7 +40,9 @@ Core modules (docs/explanation/mechanism.md):
     noise              privatizers: streaming independent / BandMF / BLT Gaussian noise
     aggregation        the DP query: noisy sum over the fixed denominator B
     sampling           user samplers, each with its dp_accounting event
-    accounting         ε with dp_accounting, the per-round ε schedule in O(T), calibration of σ, ledger with budget
+    accounting         ε with dp_accounting, the per-round ε schedule in O(T), calibrate_noise_multiplier, ledger
+                       with budget
+    calibration        the σ search on a mechanism (its event as a function of σ, accountant, δ), certified
     adaptive_clipping  quantile-tracking clip norm with its noise split
     optimizers         server optimizers as pure transforms: DP-FedAvg/SGD, DP-Adam(BC/W/W-BC), IME, STP, AdaGrad
     moment_estimation  the joint Gaussian query [Σu ; α·Σu²] of independent moment estimation
@@ -79,6 +83,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "LocalTraining": ("fed_dp.config", "LocalTraining"),
     "AdaptiveClipConfig": ("fed_dp.adaptive_clipping", "AdaptiveClipConfig"),
     "RunConfig": ("fed_dp.run_config", "RunConfig"),
+    "RunPlan": ("fed_dp.plan", "RunPlan"),
     "make_optimizer": ("fed_dp.optimizers", "make_optimizer"),
     "OPTIMIZERS": ("fed_dp.optimizers", "OPTIMIZERS"),
     "epsilon": ("fed_dp.accounting", "epsilon"),

@@ -1,5 +1,7 @@
-"""User-level ε with dp_accounting: accountants, calibration of σ, and the per-round ledger (docs/explanation/mechanism.md:
-Samplers and their accounting; Accounting, calibration, budget).
+"""User-level ε with dp_accounting: accountants, the per-round ε schedule, calibration of σ for a configuration, and
+the per-round ledger (docs/explanation/mechanism.md: Samplers and their accounting; Accounting, calibration, budget).
+The σ search itself is ``fed_dp.calibration``, on the configuration's mechanism (:func:`calibrate_noise_multiplier`
+builds it), as dp_accounting keeps its ``mechanism_calibration`` apart from its accountants.
 
 The event always comes from :func:`fed_dp.sampling.dp_event` on the run's
 :class:`~fed_dp.config.PrivacyConfig`; nothing here re-derives an accountant. PLD is the default
@@ -34,28 +36,17 @@ from typing import Any
 
 import dp_accounting
 import numpy as np
-from dp_accounting import pld, rdp
+from dp_accounting import rdp
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution
 
+from fed_dp import calibration
+from fed_dp.calibration import (CALIBRATION_TOLERANCE, COARSE_PLD_DISCRETIZATION, MIN_CALIBRATED_NOISE,  # noqa: F401
+                                PLD_DISCRETIZATION)
 from fed_dp.config import PrivacyConfig
-from fed_dp.sampling import dp_event, neighboring_relation
+from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
 from fed_dp.validation import check_int
 
-#: Smallest σ that calibration considers; a target ε reachable only below it is refused.
-MIN_CALIBRATED_NOISE = 1e-2
-#: Tolerance of calibration in σ: the σ returned is within this of the smallest σ that meets the target.
-CALIBRATION_TOLERANCE = 1e-6
-#: dp_accounting's PLDAccountant default value discretization; every reported PLD ε uses it.
-PLD_DISCRETIZATION = 1e-4
-#: A 10× coarser PLD, used only to predict σ before the exact search (it is never reported).
-COARSE_PLD_DISCRETIZATION = 1e-3
-#: The secant search on the coarse PLD stops when its next step is shorter than this.
-COARSE_CALIBRATION_TOLERANCE = 1e-5
-#: Calibration first predicts the RDP root over these orders only (a few of dp_accounting's defaults) ...
-SPARSE_RDP_ORDERS = (1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12, 16, 20, 24, 32, 48, 63, 128, 256)
-#: ... then over the optimal order there and this many of dp_accounting's orders on each side of it.
-RDP_MODEL_HALF_WIDTH = 3
 #: PLD schedules are exact at rounds 1 … PLD_DENSE_ROUNDS, then at rounds growing by PLD_ROUND_RATIO, and at T.
 PLD_DENSE_ROUNDS = 10
 PLD_ROUND_RATIO = 1.25
@@ -94,16 +85,15 @@ def make_accountant(
     config: PrivacyConfig, *, value_discretization_interval: float = PLD_DISCRETIZATION,
     orders: Sequence[float] | None = None,
 ) -> dp_accounting.PrivacyAccountant:
-    """A fresh accountant of ``config.accountant`` kind under the sampler's neighbouring relation.
+    """A fresh accountant of ``config.accountant`` kind under the sampler's neighbouring relation
+    (:func:`fed_dp.calibration.new_accountant`).
 
     ``value_discretization_interval`` applies to PLD only and ``orders`` to RDP only (None: dp_accounting's
     default orders); anything but the defaults is for predicting σ during calibration, never for a
     reported ε.
     """
-    relation = neighboring_relation(config)
-    if config.accountant == "pld":
-        return pld.PLDAccountant(neighboring_relation=relation, value_discretization_interval=value_discretization_interval)
-    return rdp.RdpAccountant(orders=orders, neighboring_relation=relation)
+    return calibration.new_accountant(config.accountant, neighboring_relation(config),
+                                      value_discretization_interval=value_discretization_interval, orders=orders)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -174,23 +164,25 @@ Progress = Callable[[int, int], None]
 RDP_PROGRESS_STEP = 4096
 
 
-def _rdp_epsilons(config: PrivacyConfig, rounds: range, progress: Progress | None = None) -> list[float]:
-    """ε after each of ``rounds`` with dp_accounting's RDP: the unit event's RDP vector once, then
-    ``rdp.compute_epsilon(orders, n_t · rdp_unit, δ)`` per round (the last (unit, n_t) is reused: consecutive
-    rounds share it under min-sep and cyclic sampling). Memory: the list of values, nothing per round besides."""
+def _rdp_epsilons(events: Callable[[int], dp_accounting.DpEvent], relation: NeighboringRelation, delta: float,
+                  rounds: range, progress: Progress | None = None) -> list[float]:
+    """ε at ``delta`` after each of ``rounds`` with dp_accounting's RDP, ``events(t)`` the event of t rounds: the unit
+    event's RDP vector once, then ``rdp.compute_epsilon(orders, n_t · rdp_unit, δ)`` per round (the last (unit, n_t)
+    is reused: consecutive rounds share it under min-sep and cyclic sampling). Memory: the list of values, nothing
+    per round besides."""
     units: dict[dp_accounting.DpEvent, tuple[list[float], np.ndarray]] = {}
     last_key, last_value = None, math.nan
     out = []
     for t in rounds:
-        key = _unit_and_count(dp_event(config, t))
+        key = _unit_and_count(events(t))
         if key != last_key:
             unit, count = key
             if unit not in units:
-                accountant = make_accountant(config)
+                accountant = calibration.new_accountant("rdp", relation)
                 accountant.compose(unit)
                 units[unit] = (accountant.orders.tolist(), accountant.rdp)
             orders, unit_rdp = units[unit]
-            last_key, last_value = key, float(rdp.compute_epsilon(orders, (count * unit_rdp).tolist(), config.delta)[0])
+            last_key, last_value = key, float(rdp.compute_epsilon(orders, (count * unit_rdp).tolist(), delta)[0])
         out.append(last_value)
         if progress is not None and (t % RDP_PROGRESS_STEP == 0 or t == rounds[-1]):
             progress(t, rounds[-1])
@@ -298,21 +290,27 @@ SCHEDULE_BYTES_PER_ROUND = 40
 MAX_SCHEDULE_BYTES = MAX_PLD_BYTES
 
 
-def accounting_note(config: PrivacyConfig) -> str | None:
-    """What to say before computing the ε schedule of ``config`` when it has :data:`LONG_ROUNDS` rounds or more
-    (that it can take minutes); None for a shorter plan."""
-    if config.rounds < LONG_ROUNDS:
+def accounting_note(rounds: int, accountant: str | None = None) -> str | None:
+    """What to say before computing an ε schedule of ``rounds`` rounds with ``accountant`` (``"pld"`` or ``"rdp"``)
+    when it has :data:`LONG_ROUNDS` rounds or more (that it can take minutes); None for a shorter plan. It needs
+    those two numbers only; a ``PrivacyConfig`` in place of both, what it took before, is still accepted with a
+    DeprecationWarning."""
+    if isinstance(rounds, PrivacyConfig):
+        warnings.warn("accounting_note(config) is deprecated: pass accounting_note(config.rounds, config.accountant)",
+                      DeprecationWarning, stacklevel=2)
+        rounds, accountant = rounds.rounds, rounds.accountant
+    if rounds < LONG_ROUNDS:
         return None
-    return f"accounting {config.rounds:,} rounds with {config.accountant} can take minutes"
+    return f"accounting {rounds:,} rounds with {accountant} can take minutes"
 
 
-def _check_schedule_size(config: PrivacyConfig) -> None:
-    """Refuse (ValueError naming privacy.rounds) a plan whose schedule of one ε per round would not fit in
-    :data:`MAX_SCHEDULE_BYTES`: ``rounds = 1e9`` would fill the memory after hours of accounting."""
-    need = config.rounds * SCHEDULE_BYTES_PER_ROUND
+def _check_schedule_size(rounds: int) -> None:
+    """Refuse (ValueError naming privacy.rounds) a plan of ``rounds`` rounds whose schedule of one ε per round would
+    not fit in :data:`MAX_SCHEDULE_BYTES`: ``rounds = 1e9`` would fill the memory after hours of accounting."""
+    need = rounds * SCHEDULE_BYTES_PER_ROUND
     if need > MAX_SCHEDULE_BYTES:
         raise ValueError(
-            f"rounds (privacy.rounds) = {config.rounds:,}: the ledger's ε schedule holds one value per round, "
+            f"rounds (privacy.rounds) = {rounds:,}: the ledger's ε schedule holds one value per round, "
             f"{need / 2**30:.0f} GB for this plan (limit {MAX_SCHEDULE_BYTES / 2**30:.0f} GB, "
             f"{MAX_SCHEDULE_BYTES // SCHEDULE_BYTES_PER_ROUND:,} rounds), and accounting it would take hours. "
             "Plan the rounds the run will really take (federated runs take 10² … 10⁵); an ε budget "
@@ -335,12 +333,13 @@ def compute_epsilon_schedule(config: PrivacyConfig, progress: Progress | None = 
     composition would need more than MAX_PLD_BYTES of memory is refused (ValueError) before any is computed.
     """
     config.require_resolved("the ε schedule")
-    _check_schedule_size(config)
     rounds = config.rounds
+    _check_schedule_size(rounds)
     if config.noise_multiplier == 0:  # the non-private baseline: ε is infinite after every round
         return EpsilonSchedule(config.accountant, config.delta, (math.inf,) * rounds, tuple(range(1, rounds + 1)))
     if config.accountant == "rdp":
-        values = _rdp_epsilons(config, range(1, rounds + 1), progress)
+        values = _rdp_epsilons(lambda t: dp_event(config, t), neighboring_relation(config), config.delta,
+                               range(1, rounds + 1), progress)
         return EpsilonSchedule("rdp", config.delta, tuple(values), tuple(range(1, rounds + 1)))
     computed = pld_exact_rounds(rounds)
     values = _pld_epsilons(config, computed, progress)
@@ -358,246 +357,22 @@ def compute_epsilon_schedule(config: PrivacyConfig, progress: Progress | None = 
     return EpsilonSchedule("pld", config.delta, tuple(epsilons), tuple(exact))
 
 
-# --------------------------------------------------------------------------------------------------
-# Calibration
-# --------------------------------------------------------------------------------------------------
-#
-# Every calibration ends in _certified_sigma: the σ returned was evaluated with the accountant that reports
-# ε and meets the target, next to a σ' ≥ σ − tol evaluated and missing it. Everything before that only
-# predicts where to look, with cheap models (RDP over a few orders, a coarser PLD): a poor prediction costs
-# evaluations, never validity.
-
-
-def _calibrate(config: PrivacyConfig, target_epsilon: float, bracket: Any, *,
-               value_discretization_interval: float = PLD_DISCRETIZATION, tol: float = CALIBRATION_TOLERANCE) -> float:
-    """dp_accounting.calibrate_dp_mechanism with ``config``'s own event builder and accountant."""
-    return float(
-        dp_accounting.calibrate_dp_mechanism(
-            lambda: make_accountant(config, value_discretization_interval=value_discretization_interval),
-            lambda sigma: dp_event(config.replace(noise_multiplier=float(sigma))),
-            target_epsilon,
-            config.delta,
-            bracket_interval=bracket,
-            tol=tol,
-        )
-    )
-
-
-def _composed_rdp(config: PrivacyConfig, orders: Sequence[float] | None = None) -> rdp.RdpAccountant:
-    """An RDP accountant (over ``orders``; default: dp_accounting's, as :func:`epsilon` uses) that has
-    composed ``config``'s event (``config`` is RDP)."""
-    accountant = make_accountant(config, orders=orders)
-    accountant.compose(dp_event(config))
-    return accountant
-
-
-def _coarse_epsilon(config: PrivacyConfig, sigma: float,
-                    value_discretization_interval: float = COARSE_PLD_DISCRETIZATION) -> float:
-    """PLD ε at σ with a coarser discretization than the reported one: to predict σ, never reported."""
-    accountant = make_accountant(config, value_discretization_interval=value_discretization_interval)
-    accountant.compose(dp_event(config.replace(noise_multiplier=sigma)))
-    return float(accountant.get_epsilon(config.delta))
-
-
-def _secant_root(epsilon_at: Callable[[float], float], target_epsilon: float, start: float, *, xtol: float,
-                 slope: float | None = None) -> tuple[float, float, float]:
-    """Where a decreasing ε(σ) crosses the target, by secant steps on log ε against log σ from ``start``.
-
-    ε is close to a power of σ (∝ 1/σ for a Gaussian), so in log–log coordinates the secant is nearly the
-    curve. The second point is a Newton step from ``start`` with ``slope`` (an estimate of dε/dσ < 0), or
-    without one with ε ∝ 1/σ; each later one is the root of the secant through the last two points (of
-    ε ∝ 1/σ again where that secant does not fall). A step changes σ by at most a factor 2 and never goes
-    below MIN_CALIBRATED_NOISE. It stops when the next step would be shorter than ``xtol`` (or after 50
-    steps) and returns the last σ evaluated, its gap ε(σ) − target, and dε/dσ there from the last secant.
-    A prediction only: nothing here is certified.
-    """
-
-    def log_gap(sigma: float) -> tuple[float, float]:  # (ε(σ), log ε(σ) − log target)
-        value = epsilon_at(sigma)
-        return value, math.log(max(value, 1e-12 * target_epsilon) / target_epsilon)
-
-    sigma = float(start)
-    value, gap = log_gap(sigma)
-    power = slope * sigma / value if slope is not None and slope < 0 else -1.0  # d log ε / d log σ
-    for _ in range(50):
-        proposal = sigma * math.exp(min(max(-gap / power, -math.log(2)), math.log(2)))
-        proposal = max(proposal, MIN_CALIBRATED_NOISE)
-        if abs(proposal - sigma) <= xtol:
-            break
-        previous, previous_gap = sigma, gap
-        sigma = proposal
-        value, gap = log_gap(sigma)
-        secant = (gap - previous_gap) / math.log(sigma / previous)
-        power = secant if secant < 0 else -1.0
-    return sigma, value - target_epsilon, power * value / sigma
-
-
-def _restricted_rdp_root(config: PrivacyConfig, target_epsilon: float, orders: Sequence[float], start: float, *,
-                         xtol: float, slope: float | None = None) -> tuple[float, float]:
-    """The root of RDP ε restricted to ``orders`` (``config`` is RDP), and dε/dσ there, by :func:`_secant_root`.
-
-    dp_accounting's RDP ε is the minimum over its orders α of a per-order bound ε_α(σ); over a subset of the
-    orders the minimum is at least as large, and the same wherever the optimal order is in the subset. An
-    evaluation over a few orders costs a millisecond or so, a full one tens of milliseconds.
-    """
-    sigma, _, slope = _secant_root(
-        lambda s: float(_composed_rdp(config.replace(noise_multiplier=s), orders).get_epsilon(config.delta)),
-        target_epsilon, start, xtol=xtol, slope=slope)
-    return sigma, slope
-
-
-def _sparse_rdp_root(config: PrivacyConfig, target_epsilon: float) -> tuple[float, float]:
-    """The root of RDP over SPARSE_RDP_ORDERS, searched from σ = 1, and dε/dσ there (``config`` is RDP): at or
-    above the full RDP root, within a few percent of it, for about ten evaluations of a millisecond or so."""
-    return _restricted_rdp_root(config, target_epsilon, SPARSE_RDP_ORDERS, 1.0, xtol=COARSE_CALIBRATION_TOLERANCE)
-
-
-def _rdp_prediction(config: PrivacyConfig, target_epsilon: float) -> tuple[float, float]:
-    """A prediction of the RDP root to ~1e-8, and dε/dσ there, for one full RDP evaluation (``config`` is RDP).
-
-    One full evaluation at :func:`_sparse_rdp_root` gives the optimal order there. The prediction is the root
-    over a window of that order and RDP_MODEL_HALF_WIDTH orders on each side: the true root, if the optimal
-    order there is inside the window. While the window's own optimal order at its root is at an end of the
-    window (and not of all the orders), the window moves to centre on it and the root is searched again.
-    """
-    sigma, slope = _sparse_rdp_root(config, target_epsilon)
-    full = _composed_rdp(config.replace(noise_multiplier=sigma))
-    orders = full.orders.tolist()
-    order = full.get_epsilon_and_optimal_order(config.delta)[1]
-    for _ in range(len(orders)):
-        i = orders.index(order)
-        window = orders[max(0, i - RDP_MODEL_HALF_WIDTH): i + RDP_MODEL_HALF_WIDTH + 1]
-        sigma, slope = _restricted_rdp_root(config, target_epsilon, window, sigma,
-                                            xtol=CALIBRATION_TOLERANCE / 100, slope=slope)
-        model = _composed_rdp(config.replace(noise_multiplier=sigma), window)
-        order = model.get_epsilon_and_optimal_order(config.delta)[1]
-        if window[0] < order < window[-1] or order in (orders[0], orders[-1]):
-            break
-    return sigma, slope
-
-
-def _richardson_pld_root(config: PrivacyConfig, target_epsilon: float, sigma: float, coarse: float,
-                         slope: float) -> float:
-    """A prediction of the PLD root: a Newton step from σ (near the coarse root) on the reported PLD ε at σ,
-    itself predicted by Richardson extrapolation in the discretization Δ from ``coarse``, the PLD ε at σ
-    with Δ = COARSE_PLD_DISCRETIZATION, and the PLD ε at Δ/2.
-
-    dp_accounting's pessimistic discretization overstates ε by about c·Δ² (measured on Poisson events from
-    T = 5 to 10,000: the excess shrinks fourfold when Δ halves), so with Δ = COARSE_PLD_DISCRETIZATION the
-    limit is ε₀ ≈ (4·ε(Δ/2) − ε(Δ))/3 and the reported ε(d) ≈ ε₀ + (ε(Δ) − ε₀)·(d/Δ)², d =
-    PLD_DISCRETIZATION. Measured error of the predicted ε, in σ: 3e-9 to 2.3e-7 on most configurations
-    tried, 6.6e-7 at q = 0.2, T = 5 and 6.7e-6 at q = 0.001, T = 10,000 (the certificate then takes a
-    third evaluation).
-    Costs one PLD evaluation, at Δ/2.
-    """
-    finer = _coarse_epsilon(config, sigma, COARSE_PLD_DISCRETIZATION / 2)
-    limit = (4 * finer - coarse) / 3
-    predicted = limit + (coarse - limit) * (PLD_DISCRETIZATION / COARSE_PLD_DISCRETIZATION) ** 2
-    return sigma - (predicted - target_epsilon) / slope
-
-
-def _certified_sigma(config: PrivacyConfig, target_epsilon: float, root: float, slope: float) -> float:
-    """The smallest σ whose ε (``config``'s accountant, as reported) is ≤ target, to within
-    CALIBRATION_TOLERANCE, from a prediction ``root`` of it and the slope dε/dσ < 0 of the model behind it.
-
-    Probes root + 0.45·tol (expected to meet the target), then root − 0.45·tol (expected to miss it). It
-    tracks ``upper``, the smallest σ evaluated whose ε ≤ target, and ``lower``, the largest whose ε >
-    target, and returns ``upper`` once upper − lower ≤ tol: a σ whose ε was evaluated and is ≤ target, as
-    ``dp_accounting.calibrate_dp_mechanism`` guarantees, with a σ less than tol below it that misses.
-    When a probe shows the root above it, or more than tol below it, the next prediction is a Newton step
-    from that probe, with the secant through the last two evaluations when they are more than 10·tol apart
-    (rounding noise dominates closer) and fall, else with ``slope``. A prediction within 0.45·tol of the root
-    costs two evaluations, one further off usually three. If four rounds do not certify,
-    calibrate_dp_mechanism finishes the search on a bracket around the points seen.
-    """
-    tol = CALIBRATION_TOLERANCE
-    guess, root, lower, upper = root, float(root), 0.0, math.inf
-    seen: list[tuple[float, float]] = []  # (σ, ε(σ) − target) of every evaluation, in order
-
-    def gap(sigma: float) -> float:
-        nonlocal lower, upper
-        value = epsilon(config.replace(noise_multiplier=sigma)) - target_epsilon
-        if value <= 0:
-            upper = min(upper, sigma)
-        else:
-            lower = max(lower, sigma)
-        seen.append((sigma, value))
-        return value
-
-    for _ in range(4):
-        for sigma in (root + 0.45 * tol, root - 0.45 * tol):  # not ± tol/2: rounding could set them > tol apart
-            if upper - lower <= tol:
-                return upper
-            if not lower < sigma < upper:
-                continue
-            value = gap(sigma)
-            if value > 0 or value / slope > tol:  # the root is above this probe, or more than tol below it
-                break
-        if len(seen) >= 2 and abs(seen[-1][0] - seen[-2][0]) > 10 * tol:
-            secant = (seen[-1][1] - seen[-2][1]) / (seen[-1][0] - seen[-2][0])
-            slope = secant if secant < 0 else slope
-        root = seen[-1][0] - seen[-1][1] / slope
-    if upper - lower <= tol:
-        return upper
-    return _calibrate(config, target_epsilon, _fine_bracket(config, target_epsilon, lower, upper, guess))
-
-
-def _fine_bracket(config: PrivacyConfig, target_epsilon: float, lower: float, upper: float, guess: float) -> Any:
-    """An explicit bracket for the config's accountant from what the Newton steps left: widen by 1% steps."""
-    step = 1.01
-    if lower <= 0:
-        lower = guess if math.isfinite(upper) and guess < upper else (upper if math.isfinite(upper) else guess) / step
-        while epsilon(config.replace(noise_multiplier=lower)) <= target_epsilon:
-            lower /= step
-            if lower < MIN_CALIBRATED_NOISE:
-                raise ValueError(f"target epsilon {target_epsilon} needs σ < {MIN_CALIBRATED_NOISE}; choose a smaller epsilon")
-    if not math.isfinite(upper):
-        upper = lower * step
-        while epsilon(config.replace(noise_multiplier=upper)) > target_epsilon:
-            upper *= step
-    return dp_accounting.ExplicitBracketInterval(lower, upper)
-
-
 def calibrate_noise_multiplier(config: PrivacyConfig, target_epsilon: float) -> float:
     """Smallest σ (to within 1e-6) whose T-round ε at ``config.delta`` is at most ``target_epsilon``.
 
-    The σ returned was evaluated with the config's own accountant, the one that reports ε, and meets the
-    target; a σ less than 1e-6 below it was evaluated and misses it (:func:`_certified_sigma`). Before
-    that, cheap models predict σ, so that the certificate needs few evaluations of that accountant:
-
-    * RDP (:func:`_rdp_prediction`): log–log secant steps on RDP over a few sparse orders, one full RDP
-      evaluation there for the optimal order, secant steps on RDP over that order and its neighbours;
-      then the certificate, usually two full evaluations. Four full RDP evaluations in all with the
-      refusal check below (``dp_accounting.calibrate_dp_mechanism`` takes 13–15).
-    * PLD: the sparse-order RDP root (:func:`_sparse_rdp_root`) starts log–log secant steps on a 10×
-      coarser PLD (never reported); Richardson extrapolation from it and a 5× coarser PLD predicts the
-      reported PLD's root (:func:`_richardson_pld_root`); the certificate takes two PLD evaluations when
-      that prediction is within 0.45e-6 of the root, usually three otherwise. The search never evaluates
-      PLD at a tiny σ.
-
-    A target already met at σ = MIN_CALIBRATED_NOISE (by RDP, an upper bound on PLD) is refused.
-    ``config.noise_multiplier`` is ignored.
+    The search is :func:`fed_dp.calibration.calibrate` on the configuration's mechanism: its event as a function
+    of σ (:func:`fed_dp.sampling.dp_event` of the config with that σ), its accountant and neighbouring relation,
+    and δ. The σ returned was evaluated with that accountant, the one that reports ε, and meets the target; a σ
+    less than 1e-6 below it was evaluated and misses it. A target already met at σ = MIN_CALIBRATED_NOISE is
+    refused. ``config.noise_multiplier`` is ignored.
     """
-    if not (isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
     if config.noise_multiplier is None:  # a config that asks for calibration: search from a placeholder σ
         config = config.replace(target_epsilon=None, noise_multiplier=1.0)
     config.require_resolved("calibration")
-    rdp_config = config.replace(accountant="rdp")
-    if epsilon(rdp_config.replace(noise_multiplier=MIN_CALIBRATED_NOISE)) <= target_epsilon:
-        raise ValueError(
-            f"target epsilon {target_epsilon} is reached already with σ = {MIN_CALIBRATED_NOISE}; "
-            "such a target gives no meaningful protection — choose a smaller epsilon"
-        )
-    if config.accountant == "rdp":
-        return _certified_sigma(config, target_epsilon, *_rdp_prediction(config, target_epsilon))
-    start, rdp_slope = _sparse_rdp_root(rdp_config, target_epsilon)
-    sigma, gap, slope = _secant_root(lambda s: _coarse_epsilon(config, s), target_epsilon, start,
-                                     xtol=COARSE_CALIBRATION_TOLERANCE, slope=rdp_slope)
-    if gap <= 0 and sigma <= MIN_CALIBRATED_NOISE:
-        raise ValueError(f"target epsilon {target_epsilon} needs σ < {MIN_CALIBRATED_NOISE}; choose a smaller epsilon")
-    root = _richardson_pld_root(config, target_epsilon, sigma, gap + target_epsilon, slope)
-    return _certified_sigma(config, target_epsilon, root, slope)
+    mechanism = calibration.Mechanism(event=lambda sigma: dp_event(config.replace(noise_multiplier=float(sigma))),
+                                      accountant=config.accountant, relation=neighboring_relation(config),
+                                      delta=config.delta)
+    return calibration.calibrate(mechanism, target_epsilon)
 
 
 class UnamplifiedBLTWarning(UserWarning):

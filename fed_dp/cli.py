@@ -199,7 +199,7 @@ def _run_epsilon(args: argparse.Namespace) -> None:
                          "fed-dp simulate)")
     config = _config(args, args.noise_multiplier)
     _warn_unamplified_blt("epsilon", config)
-    note = accounting_note(config)
+    note = accounting_note(config.rounds, config.accountant)
     if note is not None:
         print(f"fed-dp epsilon: {note}" + (" (progress on stderr)" if args.per_round else ""), file=sys.stderr,
               flush=True)

@@ -145,7 +145,8 @@ def init_server(
     if params.ndim != 1 or not params.dtype.is_floating_point:
         raise ValueError("params must be a flat floating-point vector (fed_dp.flat.ParamLayout.flatten)")
     config.require_resolved("init_server")
-    _check_magnitudes(config, params.dtype)  # values the arithmetic cannot hold, before any accounting of them
+    # values the arithmetic cannot hold, before any accounting of them
+    _check_magnitudes(config.clip_norm, config.noise_multiplier, config.num_users, params.dtype)
     check_plan(config)
     params = params.detach().to(device).clone()
     dim = params.numel()
@@ -187,21 +188,20 @@ _HEADROOM = 2.0**32
 _NOISE_SPAN = 64
 
 
-def _check_magnitudes(config: PrivacyConfig, dtype: torch.dtype) -> None:
-    """Refuse, before any round, a clip norm ζ (with σ) whose round overflows the model's dtype or whose noise the
-    noise source cannot draw. A round handles sums of up to N clipped updates, noise of std σζ on them, and squares
-    of both (second moments, the noise variance (σζ/B)², Σu² for moment estimation); with ζ = 1e300, or ζ = 1e20 in
+def _check_magnitudes(clip: float, sigma: float, num_users: int, dtype: torch.dtype) -> None:
+    """Refuse, before any round, a clip norm ζ = ``clip`` (with σ = ``sigma``, N = ``num_users``) whose round
+    overflows the model's dtype or whose noise the noise source cannot draw. A round handles sums of up to N clipped
+    updates, noise of std σζ on them, and squares of both (second moments, the noise variance (σζ/B)², Σu² for moment estimation); with ζ = 1e300, or ζ = 1e20 in
     float32, those are inf and the model turns to inf or NaN after round 1, its budget spent. The std σζ must be one
     the noise source can draw (``fed_dp.randomness.grid_step``)."""
-    clip, sigma = config.clip_norm, config.noise_multiplier
-    largest = clip * (config.num_users + _NOISE_SPAN * sigma)
+    largest = clip * (num_users + _NOISE_SPAN * sigma)
     limit = math.sqrt(torch.finfo(dtype).max / _HEADROOM)
     advice = ("ζ bounds the norm of one user's whole update: choose it near the norms of users' updates (typically "
               "0.1 … 10; the clip-norm hint of a run says when it is far above them)")
     if largest > limit:
         raise ValueError(
             f"clip_norm ζ = {clip:g} (privacy.clip-norm) is too large for this run's {dtype} model: a round sums up "
-            f"to N = {config.num_users} clipped updates and noise of std σζ = {sigma * clip:g}, and the squares of "
+            f"to N = {num_users} clipped updates and noise of std σζ = {sigma * clip:g}, and the squares of "
             f"such values (second moments, the noise variance, norms) must stay far below the largest {dtype} "
             f"({torch.finfo(dtype).max:.3g}), which needs ζ·(N + {_NOISE_SPAN}σ) ≤ {limit:.3g}; the model would "
             f"otherwise turn to inf or NaN. {advice}")

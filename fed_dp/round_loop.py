@@ -379,7 +379,7 @@ def _announce_plan(config: PrivacyConfig) -> None:
         log.warning("noise_multiplier = 0: this run adds NO noise and has NO privacy (epsilon is infinite); it is a "
                     "non-private baseline, and every record and result is labelled non_private")
         return
-    note = accounting_note(config)
+    note = accounting_note(config.rounds, config.accountant)
     if note is not None:
         log.info("fed-dp: %s", note)
     planned = epsilon_schedule(config).epsilons[-1]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from typing import Any, ClassVar
 
 import dp_accounting
@@ -250,13 +251,23 @@ SAMPLERS: dict[str, type[Sampler]] = {
 }
 
 
-def sampler_class(config: PrivacyConfig) -> type[Sampler]:
-    return SAMPLERS[config.sampler]
+def sampler_class(sampler: str) -> type[Sampler]:
+    """The :class:`Sampler` subclass named ``sampler`` (``PrivacyConfig.sampler``: one of ``fed_dp.config.SAMPLERS``).
+
+    It needs the name only; a whole ``PrivacyConfig``, what it took before, is still accepted with a
+    DeprecationWarning."""
+    if isinstance(sampler, PrivacyConfig):
+        warnings.warn("sampler_class(config) is deprecated: pass the sampler's name, sampler_class(config.sampler)",
+                      DeprecationWarning, stacklevel=2)
+        sampler = sampler.sampler
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    return SAMPLERS[sampler]
 
 
 def make_sampler(config: PrivacyConfig, seed: int | None = None) -> Sampler:
     """The sampler named by ``config.sampler`` (seeded from OS entropy unless ``seed`` is given)."""
-    return sampler_class(config)(config, seed)
+    return sampler_class(config.sampler)(config, seed)
 
 
 def dp_event(config: PrivacyConfig, rounds: int | None = None) -> dp_accounting.DpEvent:
@@ -265,7 +276,7 @@ def dp_event(config: PrivacyConfig, rounds: int | None = None) -> dp_accounting.
     rounds = config.rounds if rounds is None else check_int("rounds", rounds, minimum=1)
     if config.noise == "blt":
         return blt_dp_event(config, rounds)
-    return sampler_class(config).dp_event(config, rounds)
+    return sampler_class(config.sampler).dp_event(config, rounds)
 
 
 def blt_dp_event(config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
@@ -281,10 +292,10 @@ def blt_dp_event(config: PrivacyConfig, rounds: int) -> dp_accounting.DpEvent:
 
 def neighboring_relation(config: PrivacyConfig) -> NeighboringRelation:
     """The adjacency under which ``config``'s sampler is accounted (dp_accounting's relation)."""
-    return sampler_class(config).neighboring_relation
+    return sampler_class(config.sampler).neighboring_relation
 
 
 def guarantee(config: PrivacyConfig) -> str:
     """The neighbouring relation of ``config``'s guarantee as proved, in words: add or remove one user, replace
     one user (sampling without replacement), or zero out one user's data (min-sep's fixed schedule)."""
-    return sampler_class(config).guarantee
+    return sampler_class(config.sampler).guarantee

@@ -76,6 +76,7 @@ from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
 from fed_dp.server.messaging import send_and_receive
 from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
 from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, RunConfig, resolve_noise_source
+from fed_dp.plan import RunPlan
 from fed_dp.run_setup import describe_run
 from fed_dp.validation import check_seed
 
@@ -221,39 +222,57 @@ class UserLevelDP(Strategy):
         that it trains the server's model. True: such nodes are used unchecked, with a warning
         (``server.allow-unreported-model``).
 
-    :meth:`from_run_config` builds the strategy of a run configuration, as fed-dp's own ServerApp does.
+    plan: instead of ``privacy`` … ``local`` above, a ``fed_dp.plan.RunPlan`` that holds them, built and validated
+        once (the run's privacy, optimizer, local training, adaptive clipping, seeds, noise source, checkpoint folder,
+        ``eval_every`` and ``max_empty_rounds``); giving both a plan and one of its parts is refused. The other
+        keywords (``min_nodes``, ``node_wait``, ``on_round``, ``frozen``, ``allow_unreported_model``) are the Flower
+        run's own.
+
+    :meth:`from_run_config` builds the strategy of a run configuration, as fed-dp's own ServerApp does (through its
+    plan).
     """
 
-    def __init__(self, privacy: PrivacyConfig, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name, *,
-                 adaptive_clipping: AdaptiveClipConfig | None = None, seed: int | None = None,
-                 training_seed: int | None = None, checkpoint_dir: str | None = SERVER_DEFAULTS.checkpoint_dir,
-                 eval_every: int = RUN_DEFAULTS.eval_every, max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds,
-                 min_nodes: int = SERVER_DEFAULTS.min_nodes, node_wait: float = SERVER_DEFAULTS.node_wait,
-                 on_round: Callable[[dict[str, Any]], None] | None = None, noise_source: str = SERVER_DEFAULTS.noise_source,
-                 frozen: nn.Module | list[str] | None = None, local: LocalTraining | None = None,
+    def __init__(self, privacy: PrivacyConfig | None = None, optimizer: ServerOptimizer | str = OPTIMIZER_DEFAULTS.name,
+                 *, plan: RunPlan | None = None, adaptive_clipping: AdaptiveClipConfig | None = None,
+                 seed: int | None = None, training_seed: int | None = None,
+                 checkpoint_dir: str | None = SERVER_DEFAULTS.checkpoint_dir, eval_every: int = RUN_DEFAULTS.eval_every,
+                 max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds, min_nodes: int = SERVER_DEFAULTS.min_nodes,
+                 node_wait: float = SERVER_DEFAULTS.node_wait, on_round: Callable[[dict[str, Any]], None] | None = None,
+                 noise_source: str = SERVER_DEFAULTS.noise_source, frozen: nn.Module | list[str] | None = None,
+                 local: LocalTraining | None = None,
                  allow_unreported_model: bool = SERVER_DEFAULTS.allow_unreported_model) -> None:
         super().__init__()
-        if not isinstance(privacy, PrivacyConfig):
-            raise ValueError(f"privacy must be a fed_dp PrivacyConfig, got {type(privacy).__name__}")
-        if privacy.num_users is None:
+        parts = {"privacy": (privacy, None), "optimizer": (optimizer, OPTIMIZER_DEFAULTS.name),
+                 "adaptive_clipping": (adaptive_clipping, None), "seed": (seed, None),
+                 "training_seed": (training_seed, None), "checkpoint_dir": (checkpoint_dir, SERVER_DEFAULTS.checkpoint_dir),
+                 "eval_every": (eval_every, RUN_DEFAULTS.eval_every),
+                 "max_empty_rounds": (max_empty_rounds, SERVER_DEFAULTS.max_empty_rounds),
+                 "noise_source": (noise_source, SERVER_DEFAULTS.noise_source), "local": (local, None)}
+        if plan is None:  # the keywords, validated once into the plan
+            plan = RunPlan(privacy=privacy, optimizer=make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer,
+                           local=local, adaptive_clipping=adaptive_clipping, seed=seed, training_seed=training_seed,
+                           noise_source=resolve_noise_source(noise_source, flower_run=True, seeded=seed is not None),
+                           checkpoint_dir=checkpoint_dir, eval_every=eval_every, max_empty_rounds=max_empty_rounds)
+        elif not isinstance(plan, RunPlan):
+            raise ValueError(f"plan must be a fed_dp.plan.RunPlan, got {type(plan).__name__}")
+        else:
+            given = [name for name, (value, default) in parts.items() if value is not default and value != default]
+            if given:
+                raise ValueError(f"give a plan or its parts, not both: {', '.join(given)} "
+                                 f"{'is' if len(given) == 1 else 'are'} in the plan already")
+        if plan.privacy.num_users is None:
             raise ValueError("PrivacyConfig.num_users must be set for a Flower run: the size N of the population "
                              "the nodes host (user indices 0..N-1); the sampler and the accounting need it")
-        self.optimizer = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-        if not isinstance(self.optimizer, ServerOptimizer):
-            raise ValueError(f"optimizer must be a name or a fed_dp ServerOptimizer, got {type(optimizer).__name__}")
-        if not self.optimizer.private and not in_simulation():
+        if not plan.optimizer.private and not in_simulation():
             raise ValueError("this optimizer is not private (a noiseless baseline); it exists only in simulations")
-        for name, value in (("seed", seed), ("training_seed", training_seed)):
-            check_seed(name, value)
-        for name, value in (("eval_every", eval_every), ("max_empty_rounds", max_empty_rounds - 1),
-                            ("min_nodes", min_nodes - 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= {0 if name == 'eval_every' else 1}")
-        if local is not None and not isinstance(local, LocalTraining):
-            raise ValueError(f"local must be a fed_dp LocalTraining or None, got {type(local).__name__}")
-        self.privacy, self.adaptive_clipping, self.seed = privacy, adaptive_clipping, seed
-        self.training_seed, self.local = training_seed, local
-        self.checkpoint_dir, self.eval_every, self.max_empty_rounds = checkpoint_dir, eval_every, max_empty_rounds
+        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
+            raise ValueError(f"min_nodes must be an integer >= 1, got {min_nodes!r}")
+        self.plan = plan
+        self.privacy, self.optimizer, self.adaptive_clipping = plan.privacy, plan.optimizer, plan.adaptive_clipping
+        self.seed, self.training_seed, self.local = plan.seed, plan.training_seed, plan.local
+        self.checkpoint_dir, self.eval_every, self.max_empty_rounds = (plan.checkpoint_dir, plan.eval_every,
+                                                                       plan.max_empty_rounds)
+        self.noise_source = plan.noise_source
         self.min_nodes, self.node_wait, self.on_round = min_nodes, node_wait, on_round
         if frozen is not None and not isinstance(frozen, (nn.Module, list)):
             raise ValueError(f"frozen must be the run's torch.nn.Module (or its protocol.frozen_fingerprint), got "
@@ -268,9 +287,8 @@ class UserLevelDP(Strategy):
         self.reply_timeout = SERVER_DEFAULTS.reply_timeout
         self.slowest_full_round = 0.0  # seconds of the slowest exchange in which every asked node replied
         self._grid: Grid | None = None
-        self.noise_source = resolve_noise_source(noise_source, flower_run=True, seeded=seed is not None)
         # the clients' seed for their local shuffles: independent of the sampler's and the noise's
-        shared = training_seed if training_seed is not None else seed
+        shared = plan.training_seed if plan.training_seed is not None else plan.seed
         self.client_seed = derive_seed(shared, "local-training") if shared is not None else entropy_seed()
         self._pending: _Pending | None = None
         self._driven: tuple[RoundPlan, Aggregate] | None = None  # set by start around its configure_train call
@@ -279,8 +297,9 @@ class UserLevelDP(Strategy):
     def from_run_config(cls, run: RunConfig, num_users: int, *, frozen: nn.Module | None = None,
                         environ: Mapping[str, str] | None = None) -> "UserLevelDP":
         """The strategy of a run configuration (``fed_dp.RunConfig``: ``[privacy]``, ``[optimizer]``, ``[adaptive]``,
-        ``[server]``, ``run.seed``, ``run.eval-every``) for a task of ``num_users`` users, as fed-dp's own ServerApp
-        builds it; called on a subclass, an instance of that subclass.
+        ``[local]``, ``[server]``, ``run.seed``, ``run.eval-every``) for a task of ``num_users`` users, as fed-dp's own
+        ServerApp builds it: its plan (``fed_dp.plan.RunPlan.from_run_config``) and ``[server]``'s node settings;
+        called on a subclass, an instance of that subclass.
 
         Seeds: ``run.seed`` reaches every ClientApp (it is in the run config), so it seeds only the clients' local
         training; the sampler and the noise take :func:`server_seed` of ``environ`` (default ``os.environ``):
@@ -292,15 +311,11 @@ class UserLevelDP(Strategy):
         privacy = run.privacy if run.privacy.num_users is not None else run.privacy.replace(num_users=num_users)
         if privacy.num_users != num_users:
             raise ValueError(f"privacy.num-users = {privacy.num_users} but the task has {num_users} users")
-        return cls(
-            privacy, run.optimizer.build(),
-            adaptive_clipping=run.adaptive.build(privacy),
-            seed=server_seed(os.environ if environ is None else environ), training_seed=run.run.seed,
-            checkpoint_dir=run.server.checkpoint_dir, eval_every=run.run.eval_every,
-            max_empty_rounds=run.server.max_empty_rounds, min_nodes=run.server.min_nodes,
-            node_wait=run.server.node_wait, noise_source=run.server.noise_source, frozen=frozen, local=run.local,
-            allow_unreported_model=run.server.allow_unreported_model,
-        )
+        plan = RunPlan.from_run_config(run, privacy=privacy, seed=server_seed(os.environ if environ is None else environ),
+                                       training_seed=run.run.seed, checkpoint_dir=run.server.checkpoint_dir,
+                                       flower_run=True)
+        return cls(plan=plan, min_nodes=run.server.min_nodes, node_wait=run.server.node_wait, frozen=frozen,
+                   allow_unreported_model=run.server.allow_unreported_model)
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def _initialize(self, arrays: ArrayRecord) -> None:

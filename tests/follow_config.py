@@ -4,7 +4,8 @@ receive a configuration object on the way, in which files, and whether any of th
 an object or callback handed down.
 
 A stop is a call of a function of the package one of whose arguments is a configuration object (a ``RunConfig``,
-one of its sections, a ``PrivacyConfig``, ``LocalTraining``, the TOML tables of a config), traced with
+one of its sections, a ``PrivacyConfig``, ``LocalTraining``, the ``RunPlan`` built from them, the TOML tables of a
+config), traced with
 ``sys.setprofile`` from the command's entry until ``fed_dp.round.begin_round`` of the first round; dunder methods
 and ``dataclasses.replace`` are not counted as functions of their own. Run it to print the stops::
 
@@ -31,7 +32,7 @@ def layer(module: str) -> int | None:
 
 def _is_config(value: object) -> bool:
     name = type(value).__name__
-    return name.endswith(("Config", "Settings", "Training")) or (isinstance(value, dict) and "privacy" in value)
+    return name.endswith(("Config", "Settings", "Training", "Plan")) or (isinstance(value, dict) and "privacy" in value)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ but what is published (a few numbers) and the checkpoints. In-memory users are m
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,13 +45,14 @@ from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, init_server
 from fed_dp.round_loop import RoundReplies, TrainingStopped, run_rounds
-from fed_dp.run_config import CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, resolve_noise_source
+from fed_dp.plan import RunPlan
+from fed_dp.run_config import (CLIENT_DEFAULTS, OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, ClientSettings,
+                               resolve_noise_source)
 from fed_dp.run_setup import describe_run
-from fed_dp.validation import check_seed
 from fed_dp.simulations.engine.progress import RoundProgress
 from fed_dp.simulations.engine.distributed import Workers, current_workers, exchange_round, serve_rounds, share_seed, stop_workers
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["TrainResult", "run_plan", "train"]
 
 
 @dataclass
@@ -144,36 +145,70 @@ def train(
     model after the last released round is the error's ``result`` (a TrainResult) and, with ``checkpoint_dir``,
     committed there. A failure that is not one user's (every user tried fails alone, or only training them together
     fails) in the first round is a configuration error instead: ValueError, with the original error as its cause.
+
+    The keywords are validated once, into one ``fed_dp.plan.RunPlan`` (the placement of users into a ``[client]``
+    section), whose privacy is then resolved once; :func:`run_plan` runs it.
     """
-    local, seed, training_seed = _checked_arguments(task, local, eval_every, seed, training_seed)
+    if not isinstance(task, Task):
+        raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")
+    client = ClientSettings(device=device, training=training, chunk_size=chunk_size)
+    with simulation():  # the noiseless baselines are built here, in a simulation
+        plan = RunPlan(privacy=privacy, optimizer=make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer,
+                       local=local if local is not None else LocalTraining(), adaptive_clipping=adaptive_clipping,
+                       seed=seed, training_seed=training_seed,
+                       noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None),
+                       checkpoint_dir=checkpoint_dir, eval_every=eval_every, max_empty_rounds=max_empty_rounds)
+    # validated above, resolved once here (σ calibrated for a target ε), then passed on
+    plan = replace(plan, privacy=resolve_privacy(plan.privacy, task.num_users))
+    return run_plan(task, plan, client, on_round=on_round, progress=progress, on_phase=on_phase)
+
+
+def run_plan(task: Task, plan: RunPlan, client: ClientSettings = CLIENT_DEFAULTS, *,
+             on_round: Callable[[dict[str, Any]], None] | None = None, progress: bool = False,
+             on_phase: Callable[[str, int], None] | None = None) -> TrainResult:
+    """Run a built plan (``fed_dp.plan.RunPlan``) on ``task`` in this process, users placed as ``client`` says
+    (``[client]``: device, training path, chunk size): what :func:`train` does once it has built the plan from its
+    keywords, and what ``fed-dp simulate`` calls with the plan of each optimizer.
+
+    The plan's privacy must be resolved (``fed_dp.accounting.resolve_privacy``: :func:`train` does it once, and
+    ``fed-dp simulate`` once for all its optimizers), for this task's population N. Everything else is as
+    :func:`train` says."""
+    if not isinstance(task, Task):
+        raise ValueError(f"run_plan needs a fed_dp.Task, got {type(task).__name__}")
+    if not isinstance(plan, RunPlan):
+        raise ValueError(f"run_plan needs a fed_dp.plan.RunPlan, got {type(plan).__name__}")
+    privacy = plan.privacy.require_resolved("run_plan")
+    if privacy.num_users != task.num_users:
+        raise ValueError(f"the plan's privacy was resolved for N = {plan.privacy.num_users} users but the task has "
+                         f"{task.num_users}; resolve it with this task's population")
+    local = plan.local if plan.local is not None else LocalTraining()
+    seed, checkpoint_dir = plan.seed, plan.checkpoint_dir
     workers = current_workers()  # under torchrun: rank 0 runs the loop, every rank trains a share of the cohort
     with simulation():
-        if isinstance(optimizer, str):
-            optimizer = make_optimizer(optimizer)
-        run_seed = _run_seed(seed, training_seed, checkpoint_dir, workers)
+        run_seed = _run_seed(seed, plan.training_seed, checkpoint_dir, workers)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's
         model, layout, params = initial_model(task, run_seed)
         # built from the same seed: its frozen parameters are the initial model's
-        trainer = LocalTrainer(task, local, device=device, training=training, chunk_size=chunk_size, seed=run_seed)
+        trainer = LocalTrainer(task, local, device=client.device, training=client.training,
+                               chunk_size=client.chunk_size, seed=run_seed)
         if workers is not None and not workers.leader:
             served = serve_rounds(workers, trainer, params, client_seed)
             return _worker_result(workers, model, layout, served)
-        privacy = resolve_privacy(privacy, task.num_users)
-        state_noise_source = resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None)
-        state = init_server(privacy, optimizer, params, seed=seed, adaptive_clipping=adaptive_clipping,
-                            noise_source=state_noise_source, device=trainer.device)
+        state = init_server(privacy, plan.optimizer, params, seed=seed, adaptive_clipping=plan.adaptive_clipping,
+                            noise_source=plan.noise_source, device=trainer.device)
         exchange = _exchange(trainer, workers, client_seed)
         evaluate = None
         if task.evaluate is not None:
             evaluate = lambda rounds_done, theta: evaluate_params(  # noqa: E731
                 trainer.model, trainer.layout, theta.to(trainer.device), task.evaluate)
         bar, step = _progress(privacy.rounds, on_round) if progress else (None, on_round)
-        setup = describe_run(optimizer=optimizer, adaptive=None if state.clipper is None else state.clipper.config,
-                             noise_source=state_noise_source, seed=run_seed, model=model_fingerprint(model),
+        setup = describe_run(optimizer=plan.optimizer, adaptive=None if state.clipper is None else state.clipper.config,
+                             noise_source=plan.noise_source, seed=run_seed, model=model_fingerprint(model),
                              local=local) if checkpoint_dir else None
         try:
-            loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-                              max_empty_rounds=max_empty_rounds, on_round=step, on_phase=on_phase, setup=setup)
+            loop = run_rounds(state, exchange, evaluate=evaluate, eval_every=plan.eval_every,
+                              checkpoint_dir=checkpoint_dir, max_empty_rounds=plan.max_empty_rounds, on_round=step,
+                              on_phase=on_phase, setup=setup)
         except TrainingStopped as stop:  # the model after the last released round comes back with the error
             stop.result = _stopped_result(model, layout, privacy, stop)
             _release_workers(workers)
@@ -190,20 +225,6 @@ def train(
     if workers is not None:
         dist.broadcast_object_list([_public(result)], src=0)
     return result
-
-
-def _checked_arguments(task: Task, local: LocalTraining | None, eval_every: int, seed: int | None,
-                       training_seed: int | None) -> tuple[LocalTraining, int | None, int | None]:
-    """``train``'s ValueErrors for arguments of the wrong kind; the local training (default ``LocalTraining()``) and
-    the two seeds, checked."""
-    if not isinstance(task, Task):
-        raise ValueError(f"train needs a fed_dp.Task, got {type(task).__name__}")
-    local = local if local is not None else LocalTraining()
-    if not isinstance(local, LocalTraining):
-        raise ValueError(f"local must be a fed_dp LocalTraining, got {type(local).__name__}")
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
-        raise ValueError(f"eval_every must be an integer >= 0, got {eval_every!r}")
-    return local, check_seed("seed", seed), check_seed("training_seed", training_seed)
 
 
 def _run_seed(seed: int | None, training_seed: int | None, checkpoint_dir: str | None, workers: Workers | None) -> int:

@@ -41,9 +41,10 @@ from fed_dp.clients.training import resolve_device
 from fed_dp.config import PrivacyConfig
 from fed_dp.randomness import entropy_seed
 from fed_dp.round_loop import TrainingStopped
-from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides, resolve_noise_source
+from fed_dp.plan import RunPlan
+from fed_dp.run_config import OPTIMIZER_DEFAULTS, RunConfig, apply_overrides
 from fed_dp.run_setup import check_resume, describe_run
-from fed_dp.simulations.engine.inprocess import train
+from fed_dp.simulations.engine.inprocess import run_plan
 from fed_dp.simulations.engine.progress import RoundProgress
 from fed_dp.simulations.experiments.config_files import DEFAULT_CONFIG, check_config_names, load_config
 
@@ -183,28 +184,25 @@ def _recorded_runs(experiment: Experiment) -> dict[str, tuple[PrivacyConfig, dic
     return recorded
 
 
-def _check_resumes(experiment: Experiment, recorded: dict[str, tuple[PrivacyConfig, dict[str, Any] | None]],
-                   privacy: PrivacyConfig, seeds: RunSeeds) -> None:
-    """Refuse, before anything is written, a resume whose configuration differs from the one its checkpoint
+def _check_resumes(plans: dict[str, RunPlan], recorded: dict[str, tuple[PrivacyConfig, dict[str, Any] | None]]) -> None:
+    """Refuse, before anything is written, a resume whose plan differs from the configuration its checkpoint
     recorded (everything the engine checks but the model, which it checks once built): otherwise config.json
     would be rewritten for a run that then does not start."""
     for name, (recorded_privacy, recorded_setup) in recorded.items():
-        run = experiment.runs[name]
-        adaptive = run.adaptive.build(privacy)
-        setup = describe_run(optimizer=run.optimizer.build(),
-                             adaptive=None if adaptive is None else adaptive.for_privacy(privacy),
-                             noise_source=resolve_noise_source(run.server.noise_source, flower_run=False, seeded=True),
-                             seed=seeds.training, local=run.local)
-        check_resume(checkpoint_folder(run.server.checkpoint_dir, name), recorded_privacy, recorded_setup, privacy,
-                     setup)
+        plan = plans[name]
+        adaptive = None if plan.adaptive_clipping is None else plan.adaptive_clipping.for_privacy(plan.privacy)
+        setup = describe_run(optimizer=plan.optimizer, adaptive=adaptive, noise_source=plan.noise_source,
+                             seed=plan.training_seed, local=plan.local)
+        check_resume(plan.checkpoint_dir, recorded_privacy, recorded_setup, plan.privacy, setup)
 
 
-def _results_folder(out: Path, resolved: dict[str, Any]) -> None:
-    """Create the results folder and write its config.json, before any training: a folder that cannot be written
-    (read-only, on a full disk) is a ValueError naming it, before anything runs."""
+def _results_folder(out: Path, text: str) -> None:
+    """Create the results folder and write ``text`` (the run's description) to its config.json, before any
+    training: a folder that cannot be written (read-only, on a full disk) is a ValueError naming it, before anything
+    runs."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
+        (out / "config.json").write_text(text)
     except OSError as error:
         raise ValueError(f"the results folder {out} cannot be written: {error.strerror} ({error.filename}). Give a "
                          "folder you can write to (fed-dp simulate --out DIR)") from error
@@ -233,7 +231,11 @@ def run_experiment(
     recorded = _recorded_runs(experiment) if write else {}  # resumes (rank 0 of a torchrun run reads them)
     resumed = next((setup["seed"] for _, setup in recorded.values() if setup and setup.get("seed") is not None), None)
     seeds = run_seeds(base.run.seed, resumed)
-    _check_resumes(experiment, recorded, privacy, seeds)
+    plans = {name: RunPlan.from_run_config(run, privacy=privacy, seed=seeds.privacy, training_seed=seeds.training,
+                                           checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
+                                           flower_run=False)
+             for name, run in experiment.runs.items()}  # each validated once, here
+    _check_resumes(plans, recorded)
     out = Path(out_dir)
     resolved = {**copy.deepcopy(config), "resolved": {
         "num_users": task.num_users, "noise_multiplier": privacy.noise_multiplier,
@@ -241,14 +243,14 @@ def run_experiment(
         "seed": seeds.training, "seed_note": seeds.note,
     }}
     if write:
-        _results_folder(out, resolved)
+        _results_folder(out, json.dumps(resolved, indent=2, default=str))
     log(f"task: {task.description or task.name}")
     log(f"privacy: N = {task.num_users}, B = {privacy.expected_cohort}, T = {privacy.rounds}, "
         f"sigma = {privacy.noise_multiplier:.4f}, clip = {privacy.clip_norm}, sampler = {privacy.sampler}, "
         f"noise = {privacy.noise}, delta = {privacy.delta:g}; seed {seeds.training}")
     # The ε of every round is the same for all optimizers (same sampler, σ, T): compute the schedule once up
     # front (memoized in fed_dp.accounting) so the per-optimizer times compare training, not accounting.
-    note = accounting_note(privacy)
+    note = accounting_note(privacy.rounds, privacy.accountant)
     if note is not None:
         log(note)
     schedule = epsilon_schedule(privacy).epsilons
@@ -270,14 +272,7 @@ def run_experiment(
 
         start = time.perf_counter()
         try:
-            result = train(task, privacy, run.optimizer.build(), run.local,
-                           adaptive_clipping=run.adaptive.build(privacy),
-                           seed=seeds.privacy, training_seed=seeds.training, eval_every=run.run.eval_every,
-                           device=run.client.device, training=run.client.training,
-                           chunk_size=run.client.chunk_size, on_round=on_round,
-                           noise_source=run.server.noise_source,
-                           checkpoint_dir=checkpoint_folder(run.server.checkpoint_dir, name),
-                           max_empty_rounds=run.server.max_empty_rounds)
+            result = run_plan(task, plans[name], run.client, on_round=on_round)
         except TrainingStopped as stop:
             if write:
                 with _results_write(out, name):

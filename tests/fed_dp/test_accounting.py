@@ -14,7 +14,7 @@ import dp_accounting
 import pytest
 from dp_accounting import pld, rdp
 
-import fed_dp.accounting as accounting
+import fed_dp.calibration as calibration
 from fed_dp.accounting import (
     CALIBRATION_TOLERANCE,
     COARSE_PLD_DISCRETIZATION,
@@ -22,15 +22,12 @@ from fed_dp.accounting import (
     PLD_DISCRETIZATION,
     BudgetExceededError,
     PrivacyLedger,
-    _certified_sigma,
-    _coarse_epsilon,
-    _rdp_prediction,
-    _richardson_pld_root,
-    _secant_root,
     calibrate_noise_multiplier,
     epsilon,
 )
+from fed_dp.calibration import Mechanism, _certified_sigma, _coarse_epsilon, _rdp_prediction, _richardson_pld_root, _secant_root
 from fed_dp.config import PrivacyConfig
+from fed_dp.sampling import dp_event, neighboring_relation
 
 ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -163,23 +160,29 @@ def evaluations(monkeypatch):
     ``rdp``/``pld`` the reported accountants, ``rdp-orders`` RDP over a few orders, ``pld-coarse`` and
     ``pld-finer`` the PLD at COARSE_PLD_DISCRETIZATION and half of it. The memo of ε is cleared first."""
     counts: dict[str, int] = {}
-    make = accounting.make_accountant
+    make = calibration.new_accountant
 
-    def counting(config, **kwargs):
+    def counting(kind, relation, **kwargs):
         if kwargs.get("orders") is not None:
-            kind = "rdp-orders"
-        elif config.accountant == "rdp":
-            kind = "rdp"
+            kind_counted = "rdp-orders"
+        elif kind == "rdp":
+            kind_counted = "rdp"
         else:
-            kind = {PLD_DISCRETIZATION: "pld", COARSE_PLD_DISCRETIZATION: "pld-coarse",
-                    COARSE_PLD_DISCRETIZATION / 2: "pld-finer"}[
+            kind_counted = {PLD_DISCRETIZATION: "pld", COARSE_PLD_DISCRETIZATION: "pld-coarse",
+                            COARSE_PLD_DISCRETIZATION / 2: "pld-finer"}[
                 kwargs.get("value_discretization_interval", PLD_DISCRETIZATION)]
-        counts[kind] = counts.get(kind, 0) + 1
-        return make(config, **kwargs)
+        counts[kind_counted] = counts.get(kind_counted, 0) + 1
+        return make(kind, relation, **kwargs)
 
     epsilon.cache_clear()
-    monkeypatch.setattr(accounting, "make_accountant", counting)
+    monkeypatch.setattr(calibration, "new_accountant", counting)
     return counts
+
+
+def mechanism(cfg: PrivacyConfig) -> Mechanism:
+    """The mechanism ``calibrate_noise_multiplier`` calibrates for ``cfg`` (what the private helpers take)."""
+    return Mechanism(event=lambda sigma: dp_event(cfg.replace(noise_multiplier=float(sigma))),
+                     accountant=cfg.accountant, relation=neighboring_relation(cfg), delta=cfg.delta)
 
 
 def _poisson(**changes) -> PrivacyConfig:
@@ -268,7 +271,7 @@ def test_rdp_prediction_is_the_full_rdp_root_for_one_full_evaluation(cfg, evalua
     target = 2.0
     root = _precise_root(cfg, target, calibrate_noise_multiplier(cfg, target))
     evaluations.clear()
-    prediction, slope = _rdp_prediction(cfg, target)
+    prediction, slope = _rdp_prediction(mechanism(cfg), target)
     assert evaluations["rdp"] == 1
     assert prediction == pytest.approx(root, abs=1e-8)
     h = 1e-5
@@ -279,8 +282,8 @@ def test_richardson_prediction_of_the_pld_root_beats_the_coarse_root_tenfold():
     cfg = _poisson(expected_cohort=10, rounds=1000, num_users=1000, delta=1e-5)
     target = 3.0
     root = _precise_root(cfg, target, calibrate_noise_multiplier(cfg, target))
-    coarse_root, gap, slope = _secant_root(lambda s: _coarse_epsilon(cfg, s), target, 1.0, xtol=1e-5)
-    prediction = _richardson_pld_root(cfg, target, coarse_root, gap + target, slope)
+    coarse_root, gap, slope = _secant_root(lambda s: _coarse_epsilon(mechanism(cfg), s), target, 1.0, xtol=1e-5)
+    prediction = _richardson_pld_root(mechanism(cfg), target, coarse_root, gap + target, slope)
     assert abs(prediction - root) < 0.45 * TOL
     assert abs(prediction - root) < abs(coarse_root - root) / 10
 
@@ -296,7 +299,7 @@ def test_certificate_costs_two_evaluations_from_a_close_prediction_three_from_a_
     slope = (_hand_epsilon(cfg, root + h) - _hand_epsilon(cfg, root - h)) / (2 * h)
     epsilon.cache_clear()
     evaluations.clear()
-    sigma = _certified_sigma(cfg, target, root + offset, slope)
+    sigma = _certified_sigma(mechanism(cfg), target, root + offset, slope)
     assert evaluations == {"rdp": expected}
     assert root <= sigma < root + TOL
     assert _hand_epsilon(cfg, sigma) <= target < _hand_epsilon(cfg, sigma - TOL)
@@ -610,7 +613,7 @@ def test_certified_search_returns_a_valid_tight_sigma_from_poor_starts(slope_fac
     h = 1e-4
     slope = (direct_epsilon(poisson_event(0.1, reference + h, 20), "pld", 1e-5)
              - direct_epsilon(poisson_event(0.1, reference, 20), "pld", 1e-5)) / h
-    sigma = _certified_sigma(cfg, target, reference + offset, slope * slope_factor)
+    sigma = _certified_sigma(mechanism(cfg), target, reference + offset, slope * slope_factor)
     assert direct_epsilon(poisson_event(0.1, sigma, 20), "pld", 1e-5) <= target
     assert direct_epsilon(poisson_event(0.1, sigma - 1e-6, 20), "pld", 1e-5) > target
 

@@ -176,9 +176,14 @@ def test_a_plan_whose_schedule_cannot_fit_in_memory_is_refused_at_once_and_a_lon
     """rounds = 10⁹: on main nothing was printed for minutes while one ε per round was computed (37 GB, hours)."""
     with pytest.raises(ValueError, match=r"rounds \(privacy.rounds\) = 1,000,000,000: .* 37 GB for this plan"):
         epsilon_schedule(CONFIG.replace(rounds=10**9))
-    assert accounting_note(CONFIG.replace(rounds=LONG_ROUNDS)) == (
+    assert accounting_note(LONG_ROUNDS, "rdp") == (
         f"accounting {LONG_ROUNDS:,} rounds with rdp can take minutes")
-    assert accounting_note(CONFIG) is None
+    assert accounting_note(CONFIG.rounds, CONFIG.accountant) is None
+    with pytest.warns(DeprecationWarning, match="accounting_note"):  # the config it took before, still accepted
+        assert accounting_note(CONFIG.replace(rounds=LONG_ROUNDS)) == (
+            f"accounting {LONG_ROUNDS:,} rounds with rdp can take minutes")
+    with pytest.warns(DeprecationWarning, match="accounting_note"):
+        assert accounting_note(CONFIG) is None
 
 
 def test_a_noise_multiplier_that_protects_nobody_is_warned_about_naming_it(caplog):

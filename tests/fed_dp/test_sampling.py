@@ -399,3 +399,14 @@ def test_sampler_class_refuses_a_config_for_another_sampler():
 
     with pytest.raises(ValueError, match="poisson"):
         PoissonSampler(ALL_CONFIGS[1], seed=0)
+
+
+def test_sampler_class_is_found_by_name_and_still_accepts_a_config():
+    from fed_dp.sampling import SAMPLERS, sampler_class
+
+    for name, cls in SAMPLERS.items():
+        assert sampler_class(name) is cls
+    with pytest.raises(ValueError, match="unknown sampler 'poison'"):
+        sampler_class("poison")
+    with pytest.warns(DeprecationWarning, match="sampler_class"):
+        assert sampler_class(ALL_CONFIGS[0]) is SAMPLERS[ALL_CONFIGS[0].sampler]

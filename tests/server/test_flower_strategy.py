@@ -643,3 +643,30 @@ def test_a_node_that_does_not_report_its_model_is_refused_before_round_1_unless_
         logging.getLogger("fed_dp.server").removeHandler(keep)
     assert [r["round"] for r in result.records] == [1, 2, 3]
     assert len([m for m in warned if "used unchecked (allow_unreported_model)" in m]) == 1
+
+
+def test_the_strategy_takes_one_built_plan_or_its_parts_not_both():
+    """Issue 41: UserLevelDP's keywords and its run configuration both become one fed_dp RunPlan (validated there,
+    once); a plan can be given directly, and a plan with one of its parts as well is refused, naming the part."""
+    from fed_dp.plan import RunPlan
+    from fed_dp.run_config import RunConfig
+
+    strategy = UserLevelDP(PRIVACY, "dp-sgd", seed=3, eval_every=2, checkpoint_dir=None, local=LocalTraining(lr=0.3))
+    plan = strategy.plan
+    assert (plan.privacy, plan.seed, plan.eval_every, plan.local, plan.noise_source) == (
+        PRIVACY, 3, 2, LocalTraining(lr=0.3), "torch")  # a seeded research run: torch noise, as before
+    same = UserLevelDP(plan=plan, min_nodes=2)
+    assert same.plan is plan and same.min_nodes == 2 and (same.seed, same.privacy, same.optimizer) == (
+        3, PRIVACY, plan.optimizer) and same.client_seed == strategy.client_seed
+    for parts, named in (({"seed": 4}, "seed is"), ({"privacy": PRIVACY, "eval_every": 0}, "privacy, eval_every are")):
+        with pytest.raises(ValueError, match=f"give a plan or its parts, not both: {named} in the plan already"):
+            UserLevelDP(plan=plan, **parts)
+    with pytest.raises(ValueError, match="plan must be a fed_dp.plan.RunPlan, got PrivacyConfig"):
+        UserLevelDP(plan=PRIVACY)
+    with pytest.raises(ValueError, match="eval_every must be an integer >= 0, got -1"):
+        UserLevelDP(PRIVACY, "dp-sgd", eval_every=-1)
+    run = RunConfig.from_flat({"privacy.rounds": 3, "privacy.accountant": "rdp", "run.eval-every": 2,
+                               "server.min-nodes": 2, "server.max-empty-rounds": 4})
+    built = UserLevelDP.from_run_config(run, TASK.num_users, environ={})
+    assert isinstance(built.plan, RunPlan) and built.plan.privacy.num_users == TASK.num_users
+    assert (built.eval_every, built.max_empty_rounds, built.min_nodes, built.noise_source) == (2, 4, 2, "secure")

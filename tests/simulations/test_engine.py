@@ -375,3 +375,30 @@ def test_the_servers_step_runs_on_the_users_device_and_the_result_comes_back_on_
     assert on_gpu.params.device.type == "cpu" and torch.isfinite(on_gpu.params).all()
     assert [r["epsilon"] for r in on_gpu.records] == [r["epsilon"] for r in on_cpu.records]
     assert "nu_hat_median" in on_gpu.records[-1]
+
+
+def test_train_resolves_the_privacy_configuration_once_and_run_plan_runs_a_resolved_plan(monkeypatch):
+    """Issue 41: the keywords become one plan, validated once; σ is calibrated once (resolve_privacy ran twice on
+    one path before: the runner's, then train's). run_plan refuses a plan whose privacy is not resolved, or is
+    resolved for another population, before any work."""
+    import fed_dp.simulations.engine.inprocess as inprocess
+    from fed_dp.plan import RunPlan
+
+    calls = []
+    resolve = inprocess.resolve_privacy
+    monkeypatch.setattr(inprocess, "resolve_privacy", lambda *args: calls.append(args) or resolve(*args))
+    task = _task()
+    result = train(task, _privacy(num_users=None, noise_multiplier=None, target_epsilon=8.0, rounds=2), "dp-sgd",
+                   LocalTraining(), seed=0, eval_every=0)
+    assert len(calls) == 1 and result.privacy.num_users == 40 and result.privacy.target_epsilon is None
+    plan = RunPlan(privacy=result.privacy, optimizer=make_optimizer("dp-sgd"), local=LocalTraining(), seed=0,
+                   eval_every=0)
+    again = inprocess.run_plan(task, plan)
+    assert len(calls) == 1  # a resolved plan is run as it is
+    assert torch.equal(again.params, result.params)  # the same run: the plan holds everything train was told
+    with pytest.raises(ValueError, match="run_plan needs a resolved PrivacyConfig, but num_users is not set"):
+        inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=None), optimizer=plan.optimizer))
+    with pytest.raises(ValueError, match="resolved for N = 41 users but the task has 40"):
+        inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=41), optimizer=plan.optimizer))
+    with pytest.raises(ValueError, match="run_plan needs a fed_dp.plan.RunPlan, got PrivacyConfig"):
+        inprocess.run_plan(task, result.privacy)

@@ -258,3 +258,22 @@ def test_every_server_key_acts_in_fed_dp_simulate_or_is_refused(tmp_path):
     for key in ("server.min-nodes=2", "server.reply-timeout=5.0", "server.node-wait=1.0"):
         with pytest.raises(ValueError, match=rf"{key.split('=')[0]} has no effect in fed-dp simulate: .*SuperNodes"):
             parse_experiment(_tiny([key]))
+
+
+def test_an_experiment_resolves_its_privacy_once_for_all_its_optimizers(tmp_path, monkeypatch):
+    """Issue 41: σ is calibrated once (the runner's resolve_privacy) and each optimizer's plan is run as built; the
+    engine does not resolve it again."""
+    import fed_dp.simulations.engine.inprocess as inprocess
+    import fed_dp.simulations.experiments.runner as runner
+
+    calls = []
+    resolve = runner.resolve_privacy
+
+    def counted(*args):
+        calls.append(args)
+        return resolve(*args)
+
+    monkeypatch.setattr(runner, "resolve_privacy", counted)
+    monkeypatch.setattr(inprocess, "resolve_privacy", counted)
+    rows = run_experiment(_tiny(), tmp_path, progress=False, log=lambda *_: None)  # target-epsilon: σ calibrated
+    assert [row["optimizer"] for row in rows] == ["dp-sgd", "dp-adambc"] and len(calls) == 1
