@@ -56,8 +56,10 @@ def send_and_receive(grid: Grid, messages: Sequence[Message], timeout: float | N
 def receive(grid: Grid, message_ids: Iterable[str], timeout: float | None, poll: float = POLL_SECONDS,
             arrived: dict[str, float] | None = None) -> list[Message]:
     """Pull the replies to ``message_ids`` (pushed already) every ``poll`` s until each has one or ``timeout`` s
-    have passed; ``arrived`` is filled with message id → ``time.monotonic()`` when its reply was pulled."""
-    waiting = set(message_ids)
+    have passed; ``arrived`` is filled with message id → ``time.monotonic()`` when its reply was pulled. An id that
+    is None (flwr's ``push_messages`` for a message the SuperLink refused, e.g. to a node that has just gone) gets no
+    reply: its node counts as not answering."""
+    waiting = {message_id for message_id in message_ids if message_id}
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[Message] = []
     while waiting:
