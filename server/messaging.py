@@ -12,8 +12,9 @@ Transient errors. Under load the SuperLink's state store (SQLite) can fail a req
 (it waits 5 s for the lock, then gives up). flwr 1.41/1.42 pass that to the ServerApp as HTTP 500 (the reason
 is only in the SuperLink's log); they retry 502, 503, 504 and lost connections themselves, but not 500, so the
 ServerApp failed. :class:`RetryingGrid` wraps the ServerApp's Grid and retries what is transient
-(:func:`transient`: HTTP 500, 502, 503, 504 and 429, a timeout or a dropped connection, gRPC UNAVAILABLE,
-DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED, any error that says "database is locked") a bounded number of times
+(:func:`transient`: HTTP 500, 502, 503, 504 and 429, a timeout or a dropped connection, flwr's
+``ObjectPushError`` (an upload of a message's content that gave up), gRPC UNAVAILABLE, DEADLINE_EXCEEDED and
+RESOURCE_EXHAUSTED, any error that says "database is locked") a bounded number of times
 with exponential backoff (:data:`RETRIES`: 6 tries, waits of 2, 4, 8, 16 and 30 s), logging each retry with the
 error; then it stops with :class:`SuperLinkError`. Anything else (401 or 403: the run was stopped; a malformed
 message) is raised at once.
@@ -134,6 +135,8 @@ def transient(error: BaseException) -> str | None:
     if httpx is not None and isinstance(error, (httpx.TimeoutException, httpx.NetworkError,
                                                 httpx.RemoteProtocolError)):
         return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    if type(error).__name__ == "ObjectPushError":  # flwr's object upload gave up, e.g. on a locked state store
+        return f"the upload of the messages' content failed: {error}"
     code = getattr(error, "code", None)  # grpc.RpcError, from a flwr whose Grid speaks gRPC
     if callable(code):
         try:

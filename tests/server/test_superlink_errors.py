@@ -34,6 +34,14 @@ from fed_dp.server.membership import NoUsersError
 from fed_dp.server.messaging import Retries, RetryingGrid, SuperLinkError, transient, with_retries
 from fed_dp.simulations.tasks.builtin import heavy_tail_task
 
+try:  # flwr 1.42's
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+except ImportError:  # another flwr layout: the same name, which is what is recognized
+    class ObjectPushError(Exception):
+        def __init__(self, object_id: str, run_id: int, session_id: str) -> None:
+            super().__init__(f"Failed to push object with ID '{object_id}' for run {run_id} using session "
+                             f"'{session_id}'")
+
 TASK = heavy_tail_task()  # 40 users
 LOCAL = LocalTraining(batch_size=2, lr=0.5)
 PRIVACY = PrivacyConfig(num_users=40, expected_cohort=10, rounds=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
@@ -119,6 +127,7 @@ class RpcError(Exception):
     (RpcError("INTERNAL", "(sqlite3.OperationalError) database is locked"), r"database is locked"),
     (httpx.ReadTimeout("timed out"), r"ReadTimeout: timed out"),
     (httpx.ConnectError("refused"), r"ConnectError: refused"),
+    (ObjectPushError("b6fa", 42, "392a"), r"upload of the messages' content failed: Failed to push object"),
 ])
 def test_the_superlinks_transient_errors_are_recognized(error, why):
     assert re.search(why, transient(error)), transient(error)
