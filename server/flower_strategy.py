@@ -568,8 +568,12 @@ class UserLevelDP(Strategy):
         ``fed_dp.server.membership.ModelMismatchError`` when a node reports another model than the initial
         arrays' (before round 1), ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes``
         stay connected and
-        ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
-        checkpoint resumable.
+        ``fed_dp.round_loop.NoRepliesError`` when replies stop and ``fed_dp.server.messaging.SuperLinkError``
+        when the SuperLink keeps failing a request (its transient errors are retried first: ``grid`` is wrapped
+        in a ``RetryingGrid``); all before more budget is spent, with the checkpoint resumable. Every failure's
+        message ends with whether and how the run can be resumed (:func:`resume_advice`; an error whose message
+        is not one string becomes a :class:`RunStopped` caused by it), since Flower shows a ServerApp's failure
+        as that message.
         """
         overridden = [name for name in ("configure_evaluate", "aggregate_evaluate")
                       if getattr(type(self), name) is not getattr(UserLevelDP, name)]
