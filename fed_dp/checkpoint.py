@@ -178,6 +178,13 @@ def _load(folder: Path, commit: dict[str, Any], part: str) -> dict[str, Any]:
     return payload
 
 
+def committed_round(folder: str | os.PathLike) -> int:
+    """The round committed in ``folder`` (t, the rounds released; 0 when nothing is committed), from the commit
+    record alone; ValueError when it is damaged or missing beside files of released rounds (as a resume would)."""
+    commit = _commit(Path(folder))
+    return 0 if commit is None else int(commit["round"])
+
+
 def load_checkpoint(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The publishable part of the committed checkpoint (``{"state", "extra", ...}``), or None when none."""
     commit = _commit(Path(folder))

@@ -61,6 +61,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
 from fed_dp.accounting import resolve_privacy
+from fed_dp.checkpoint import committed_round
 from fed_dp.adaptive_clipping import AdaptiveClipConfig
 from fed_dp.clients import protocol
 from fed_dp.clients.evaluation import evaluate_params
@@ -68,12 +69,13 @@ from fed_dp.clients.task import Task, trainable_layout, trainable_parameters
 from fed_dp.config import LocalTraining, PrivacyConfig
 from fed_dp.context import in_simulation
 from fed_dp.flat import ParamLayout
+from fed_dp.folder_lock import FolderInUseError
 from fed_dp.optimizers import ServerOptimizer, make_optimizer
 from fed_dp.randomness import derive_seed, entropy_seed
 from fed_dp.contribution import RoundPlan
 from fed_dp.round import ServerState, begin_round, finish_round, init_server
 from fed_dp.server.membership import Membership, NotEnoughNodesError, probe_size
-from fed_dp.server.messaging import send_and_receive
+from fed_dp.server.messaging import retrying, send_and_receive
 from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
 from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, RunConfig, resolve_noise_source
 from fed_dp.plan import RunPlan
@@ -82,8 +84,8 @@ from fed_dp.validation import check_seed
 
 log = logging.getLogger("fed_dp.server")
 
-__all__ = ["DPResult", "SERVER_SEED_VARIABLE", "UserLevelDP", "centralized_evaluation", "configure_logging",
-           "model_arrays", "server_seed"]
+__all__ = ["DPResult", "RunStopped", "SERVER_SEED_VARIABLE", "UserLevelDP", "centralized_evaluation",
+           "configure_logging", "model_arrays", "resume_advice", "server_seed", "with_advice"]
 
 
 #: The environment variable of the ServerApp's process that seeds the sampler and the noise (never the run config,
@@ -138,6 +140,50 @@ def centralized_evaluation(task: Task, model: nn.Module | None = None) -> Callab
         return MetricRecord(evaluate_params(model, layout, params, task.evaluate))
 
     return evaluate
+
+
+class RunStopped(RuntimeError):
+    """A run's failure whose own exception could not carry the resume advice in its message (one that is not a
+    single string); the original is its ``__cause__``."""
+
+
+def resume_advice(checkpoint_dir: str | None, released: int = 0, delta: float | None = None,
+                  epsilon: float | None = None) -> str:
+    """Whether and how a run that stopped can be resumed, for its failure message (the status ``flwr ls`` shows
+    and ``fed-dp submit`` prints): from what ``checkpoint_dir`` holds (``fed_dp.checkpoint.committed_round``);
+    without one, from ``released``, the rounds this process released (``epsilon``, ``delta``: what they spent)."""
+    again = ("submit the run again with the same run config (fed-dp submit <federation> --run-config "
+             f"\"... server.checkpoint-dir='{checkpoint_dir}'\", or flwr run . <federation> with the same overrides)")
+    if checkpoint_dir:
+        try:
+            committed = committed_round(checkpoint_dir)
+        except (ValueError, OSError) as error:
+            return (f"Whether the run can be resumed depends on its checkpoint folder {checkpoint_dir}, which cannot "
+                    f"be read ({error})")
+        if committed:
+            return (f"The run can be resumed: round(s) 1-{committed} are committed in {checkpoint_dir}. Fix the cause, "
+                    f"then {again}: it continues after round {committed} with its ledger, noise stream and sampler "
+                    "where they stopped, and no round is released twice")
+        return f"No round is committed in {checkpoint_dir}: fix the cause, then {again}; it starts at round 1"
+    keep = "set server.checkpoint-dir (an absolute path) so that a failure can be resumed"
+    if released:
+        spent = (f" (user-level epsilon {epsilon:.4f} at delta {delta:g})" if epsilon is not None and delta is not None
+                 else "")
+        return (f"The run cannot be resumed: server.checkpoint-dir is not set, so its {released} released round(s)"
+                f"{spent} are not kept. Their privacy spending stands: a new run starts at round 1 and spends its "
+                f"budget on top of theirs for the same users; {keep}")
+    return f"No round was released: fix the cause and submit the run again; {keep}"
+
+
+def with_advice(error: Exception, advice: str) -> Exception:
+    """``error`` with ``advice`` appended to its message, keeping its type (a message of one string), or a
+    :class:`RunStopped` saying both, caused by ``error``. Flower reports a ServerApp's failure as ``str(error)``."""
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0].rstrip('. ')}. {advice}",)
+        return error
+    stopped = RunStopped(f"{type(error).__name__}: {error}. {advice}")
+    stopped.__cause__ = error
+    return stopped
 
 
 @dataclass
@@ -472,6 +518,7 @@ class UserLevelDP(Strategy):
         round loop; called directly, this refuses a round over the budget and samples its users."""
         if self.state is None:
             self._initialize(arrays)
+        grid = retrying(grid)  # the SuperLink's transient errors are retried (fed_dp.server.messaging)
         self._grid = grid
         self._ensure_users(grid, timeout=self.reply_timeout)
         if server_round != self.state.round + 1:
@@ -546,18 +593,41 @@ class UserLevelDP(Strategy):
         ``fed_dp.server.membership.ModelMismatchError`` when a node reports another model than the initial
         arrays' (before round 1), ``fed_dp.server.membership.NotEnoughNodesError`` when fewer than ``min_nodes``
         stay connected and
-        ``fed_dp.round_loop.NoRepliesError`` when replies stop; all before more budget is spent, with the
-        checkpoint resumable.
+        ``fed_dp.round_loop.NoRepliesError`` when replies stop and ``fed_dp.server.messaging.SuperLinkError``
+        when the SuperLink keeps failing a request (its transient errors are retried first: ``grid`` is wrapped
+        in a ``RetryingGrid``); all before more budget is spent, with the checkpoint resumable. Every failure's
+        message ends with whether and how the run can be resumed (:func:`resume_advice`; an error whose message
+        is not one string becomes a :class:`RunStopped` caused by it), since Flower shows a ServerApp's failure
+        as that message.
         """
         self._refuse_federated_evaluation(evaluate_config)
         configure_logging()  # a ServerApp's output shows every round's ε, as Flower's strategies show theirs
         if self.state is None:
             self._initialize(initial_arrays)
         self.summary()
+        grid = retrying(grid)  # the SuperLink's transient errors are retried (fed_dp.server.messaging)
         self._grid, self.reply_timeout = grid, timeout
         if self.checkpoint_dir is None and not in_simulation():
             log.warning("server.checkpoint-dir is not set: a crash cannot be resumed, and the operator's diagnostics "
                         "(which nodes failed or were late) are not kept")
+        try:
+            return self._start(grid, num_rounds, timeout, train_config, evaluate_fn)
+        except FolderInUseError:  # another run owns the folder: its message says what to do
+            raise
+        except Exception as error:
+            raise with_advice(error, resume_advice(self.checkpoint_dir, self.state.round if self.state else 0,
+                                                   self.state.config.delta if self.state else self.privacy.delta,
+                                                   self._epsilon_so_far()))
+
+    def _epsilon_so_far(self) -> float | None:
+        """ε spent by the rounds this strategy released (None before any)."""
+        if self.state is None or self.state.ledger.rounds == 0 or self.state.config.non_private:
+            return None
+        return float(self.state.ledger.epsilon)
+
+    def _start(self, grid: Grid, num_rounds: int | None, timeout: float, train_config: ConfigRecord | None,
+               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None) -> DPResult:
+        """The body of :meth:`start`, whose failures it annotates with whether and how to resume."""
         self._ensure_users(grid, timeout)
         result, aggregated = DPResult(), {}
         config = ConfigRecord() if train_config is None else train_config  # one record for all rounds, as Flower's

@@ -28,16 +28,17 @@ and asks no other. Which virtual node trains a user changes nothing in what is c
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fed_dp.clients import protocol
-from fed_dp.server.messaging import send_and_receive
+from fed_dp.server.messaging import receive, send_and_receive, unwrapped
 
 log = logging.getLogger("fed_dp.server")
 
@@ -55,6 +56,19 @@ class ModelNotReportedError(ModelMismatchError):
     """A node answered the user query without its model (``fed_dp.query_reply`` without ``model=``), so the server
     cannot check that it trains the server's model: refused before round 1 unless the strategy allows it
     (``allow_unreported_model``)."""
+
+
+#: What Flower's ClientApp says when a message's type has no handler (flwr 1.41, 1.42): for the user query, a
+#: ClientApp without ``@app.query()``.
+_NO_HANDLER = "No query function registered"
+
+
+def _seconds(values: Iterable[float]) -> str:
+    """"41 s", "38-47 s" or "1.2-1.4 s" (tenths below 10 s)."""
+    low, high = min(values), max(values)
+    digits = 1 if high < 10 else 0
+    low_text, high_text = f"{low:.{digits}f}", f"{high:.{digits}f}"
+    return f"{high_text} s" if low_text == high_text else f"{low_text}-{high_text} s"
 
 
 class NotEnoughNodesError(RuntimeError):
@@ -94,7 +108,7 @@ def probe_size(grid: Grid) -> int:
         from flwr.superlink.grid import InMemoryGrid
     except ImportError:  # another flwr layout: ask every node at once, as in a deployment
         return 0
-    return len(os.sched_getaffinity(0)) if isinstance(grid, InMemoryGrid) else 0
+    return len(os.sched_getaffinity(0)) if isinstance(unwrapped(grid), InMemoryGrid) else 0
 
 
 def wait_for_nodes(grid: Grid, min_nodes: int, timeout: float, *,
@@ -132,6 +146,8 @@ class Membership:
         self._seen: set[int] = set()  # node ids that answered the user query (used, replaced or refused)
         self._silent: set[int] = set()  # node ids that did not answer yet (logged once, asked again)
         self.virtual: int | None = None  # P, once a node answered as one of P virtual nodes (simulation engine)
+        self._waiting: dict[int, str] = {}  # node id → its unanswered user query's message id, of the last ask
+        self._asked_at = 0.0  # time.monotonic() of the last ask
 
     # --- reading ---------------------------------------------------------------------------------------------
     def node_of(self, user: int) -> int | None:
@@ -154,8 +170,14 @@ class Membership:
     def start(self, grid: Grid, min_nodes: int, wait: float, *, probe: int = 0) -> None:
         """Wait for ``min_nodes`` nodes, ask each once; :class:`NoUsersError` if none hosts a user. With
         ``probe`` > 0 (Flower's simulation engine, :func:`probe_size`), ask that many nodes first: if they are
-        virtual nodes, assign the users to the virtual nodes without asking the others (module docstring)."""
+        virtual nodes, assign the users to the virtual nodes without asking the others (module docstring).
+
+        The error tells the causes apart (:meth:`_no_users`): nodes that answered nothing within the query timeout
+        (``server.reply-timeout``) are connected, so their ClientApps are slow to start; the server then listens
+        as long again, only to measure when they do answer, and names that time. Nodes whose ClientApp answered
+        without fed-dp's user query (no ``@app.query()`` handler) are named as such."""
         nodes = wait_for_nodes(grid, min_nodes, wait)
+        self._waiting = {}
         asked = nodes[:probe] if 0 < probe < len(nodes) else nodes
         failures = self._ask(grid, asked, at_start=True)
         if self.virtual is None and len(asked) < len(nodes):  # the probe found nodes with users of their own
@@ -164,12 +186,44 @@ class Membership:
         if self.virtual is not None:
             self._assign_virtual(grid, wait, asked=len(asked))
         if not self.owner:
-            raise NoUsersError(
-                f"none of the {len(nodes)} connected node(s) hosts any user, so every round would release noise "
-                "only; nothing was trained and no privacy budget was spent. "
-                + ("; ".join(failures) if failures else "every node answered with an empty user list")
-                + ". Each ClientApp needs an @app.query() handler that answers fed_dp.query_reply(msg, users)")
+            raise self._no_users(grid, len(nodes), failures)
         log.info("%d SuperNode(s) host %d of the %d users", len(self.connected()), len(self.owner), self.num_users)
+
+    def _no_users(self, grid: Grid, connected: int, failures: list[str]) -> NoUsersError:
+        """The :class:`NoUsersError` of a start at which no node hosts a user, saying what was observed: nodes
+        silent within the query timeout (listened to as long again, to say when they answer: a slow start), nodes
+        without a user-query handler, other failures."""
+        silent = sorted(self._waiting)
+        late: dict[int, float] = {}
+        if silent:
+            arrived: dict[str, float] = {}
+            by_message = {message: node for node, message in self._waiting.items()}
+            receive(grid, list(by_message), self.query_timeout, arrived=arrived)
+            late = {by_message[m]: at - self._asked_at for m, at in arrived.items()}
+        missing = [f for f in failures if _NO_HANDLER in f or "has no 'fed-dp.users' record" in f]
+        other = [f for f in failures if f not in missing and "no answer within" not in f]
+        parts = [f"none of the {connected} connected node(s) hosts any user, so every round would release noise "
+                 "only; nothing was trained and no privacy budget was spent"]
+        if silent:
+            heard = (f"{len(late)} of them answered later, after {_seconds(late.values())}: their ClientApps are "
+                     f"slow to start. Raise server.reply-timeout well above that (e.g. to "
+                     f"{math.ceil(2 * max(late.values()) / 10) * 10:.0f} s)" if late else
+                     f"none answered within {2 * self.query_timeout:g} s either: their ClientApps are stuck "
+                     "starting or very slow (their SuperNodes' logs say which). Raise server.reply-timeout well "
+                     "above the time a ClientApp takes to start there")
+            parts.append(f"{len(silent)} connected node(s) answered nothing within server.reply-timeout = "
+                         f"{self.query_timeout:g} s (node id(s) {', '.join(map(str, silent))}); {heard}, or run a "
+                         "node service beside each SuperNode (fed-dp node-service: the task stays loaded, so a "
+                         "message does not wait for a fresh ClientApp process to import torch and build the task). "
+                         "Every round waits server.reply-timeout for replies too")
+        if missing:
+            parts.append("; ".join(missing) + ". Each ClientApp needs an @app.query() handler that answers "
+                         "fed_dp.query_reply(msg, users)")
+        if other:
+            parts.append("; ".join(other))
+        if not silent and not missing and not other:
+            parts.append("every node answered with an empty user list")
+        return NoUsersError(". ".join(parts))
 
     def refresh(self, grid: Grid) -> None:
         """Follow the connected node ids (module docstring); logs departures, returns and joins once each."""
@@ -192,6 +246,7 @@ class Membership:
         failures: list[str] = []
         answered: set[int] = set()
         queries = [protocol.users_query(n) for n in node_ids]
+        self._asked_at = time.monotonic()
         replies = send_and_receive(grid, queries, self.query_timeout)
         sent_to = protocol.destinations(queries)
         for node_id, reply in sorted(((protocol.replying_node(r, sent_to), r) for r in replies), key=lambda p: p[0]):
@@ -215,13 +270,15 @@ class Membership:
                 continue
             name = protocol.node_name(reply) or f"users {format_users(hosted)}"
             self._place(name, tuple(sorted(hosted)), node_id, at_start=at_start)
+        by_node = {node: message for message, node in sent_to.items()}
+        self._waiting.update({node: by_node[node] for node in set(node_ids) - answered if node in by_node})
         for node_id in sorted(set(node_ids) - answered):
             failures.append(f"node {node_id}: no answer within {self.query_timeout:.0f} s")
             if node_id not in self._silent:
                 self._silent.add(node_id)
-                if not at_start:
-                    log.warning("node id %d is connected but did not answer the user query within %.0f s; it is "
-                                "asked again before the next round", node_id, self.query_timeout)
+                log.warning("node id %d is connected but did not answer the user query within %.0f s "
+                            "(server.reply-timeout; a ClientApp slow to start?); it is asked again before the next "
+                            "round", node_id, self.query_timeout)
         return failures
 
     def _check_model(self, node_id: int, reply: Message, hosted: Sequence[int], *, at_start: bool) -> bool:

@@ -1,8 +1,10 @@
-"""Fixtures of the deployment tests (test_deployment.py, test_faults.py): TLS certificates and Deployments that
-are stopped, and checked for leftover processes, after each test."""
+"""Fixtures of the server tests: for the deployment tests (test_deployment.py, test_faults.py) TLS certificates and
+Deployments that are stopped, and checked for leftover processes, after each test; ``server_log``, the ServerApp's
+log messages."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -43,3 +45,19 @@ def new_deployment(tmp_path, certificates, monkeypatch):
         assert not d.leftovers(), f"processes left behind: {d.leftovers()}"
 
 
+@pytest.fixture
+def server_log():
+    """The messages of the ``fed_dp`` logger (which does not propagate to the root logger caplog reads)."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler, logger = Keep(level=logging.INFO), logging.getLogger("fed_dp")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as configure_logging sets it in a ServerApp
+    yield messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -111,6 +111,10 @@ def test_every_node_killed_fails_the_run_within_the_allowed_empty_rounds(tmp_pat
                                                                           result.output[-4000:])
     assert "NoRepliesError" in result.output or "NotEnoughNodesError" in result.output, result.output[-4000:]
     assert f"run {result.run_id}: finished:failed" in result.output  # fed-dp submit's last word
+    # issue 40 item 7: the run's status (Flower's "ServerApp failed with exception: ...") says how to resume it
+    status = result.details.get("status-details", "")
+    assert re.search(rf"The run can be resumed: round\(s\) 1-[12] are committed in {re.escape(str(checkpoint_dir))}"
+                     rf".*server\.checkpoint-dir='{re.escape(str(checkpoint_dir))}'", status), status
     records = read_results(checkpoint_dir)
     ledger = load_checkpoint(checkpoint_dir)["state"]["ledger"]["records"]
     assert records[0]["round"] == 0  # the initial model's evaluation; then one record per released round

@@ -434,7 +434,10 @@ def test_a_node_with_another_model_is_refused_before_round_1_naming_it_and_the_s
         f"node id 101 (silo-20) trains another model than the server's: parameter #1 is '{name}' of shape ({rows}, "
         f"5) on the node but '{name}' of shape ({rows}, {columns}) on the server (the node's model has 1 parameter "
         "tensors, the server's 1). The ClientApp and the ServerApp must build the same model (the Strategy's "
-        "initial arrays are its named parameters); no round was sampled and no privacy budget was spent")
+        "initial arrays are its named parameters); no round was sampled and no privacy budget was spent. No round "
+        f"is committed in {tmp_path}: fix the cause, then submit the run again with the same run config (fed-dp "
+        f"submit <federation> --run-config \"... server.checkpoint-dir='{tmp_path}'\", or flwr run . <federation> "
+        "with the same overrides); it starts at round 1")
     assert strategy.state.ledger.rounds == 0 and not (tmp_path / COMMIT_NAME).exists()
     assert all(m.metadata.message_type == MessageType.QUERY for m in grid.sent)  # no TRAIN message went out
 

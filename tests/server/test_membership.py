@@ -7,7 +7,6 @@ SuperLink and SuperNode processes: test_faults.py."""
 from __future__ import annotations
 
 import json
-import logging
 import random
 
 import pytest
@@ -57,24 +56,6 @@ def cohorts(privacy: PrivacyConfig, seed: int) -> list[set[int]]:
         drawn.append(set(plan.cohort.tolist()))
         state, _ = finish_round(state, plan, [])
     return drawn
-
-
-@pytest.fixture
-def server_log():
-    """The messages of the ``fed_dp`` logger (which does not propagate to the root logger caplog reads)."""
-    messages: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    handler, logger = Keep(level=logging.INFO), logging.getLogger("fed_dp")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # as configure_logging sets it in a ServerApp
-    yield messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def start(grid: InProcessGrid, folder, seed: int, on_round=None, **options):

@@ -55,3 +55,18 @@ def test_the_timeout_keeps_what_came_and_stops_polling():
 def test_nothing_to_send_sends_nothing():
     grid = InProcessGrid({})
     assert send_and_receive(grid, [], timeout=1) == [] and grid.sent == []
+
+
+class RefusingGrid(InProcessGrid):
+    """As flwr's HttpGrid when the SuperLink refuses a message (its node has just gone): None for its id."""
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        return [None if m.metadata.dst_node_id == 2 else i for m, i in zip(messages, ids, strict=True)]
+
+
+def test_a_message_the_superlink_refused_gets_no_reply_and_breaks_nothing():
+    grid = RefusingGrid({1: _reply, 2: _reply})
+    messages = _messages([1, 2])
+    replies = send_and_receive(grid, messages, timeout=0.3, poll=0.05)
+    assert [r.metadata.reply_to_message_id for r in replies] == [messages[0].metadata.message_id]
