@@ -41,8 +41,10 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution
 
 from fed_dp import calibration
-from fed_dp.calibration import (CALIBRATION_TOLERANCE, COARSE_PLD_DISCRETIZATION, MIN_CALIBRATED_NOISE,  # noqa: F401
-                                PLD_DISCRETIZATION)
+# The calibration's constants, defined in fed_dp.calibration since the search moved there, stay importable here.
+from fed_dp.calibration import (CALIBRATION_TOLERANCE, COARSE_CALIBRATION_TOLERANCE,  # noqa: F401
+                                COARSE_PLD_DISCRETIZATION, MIN_CALIBRATED_NOISE, PLD_DISCRETIZATION,
+                                RDP_MODEL_HALF_WIDTH, SPARSE_RDP_ORDERS)
 from fed_dp.config import PrivacyConfig
 from fed_dp.sampling import NeighboringRelation, dp_event, neighboring_relation
 from fed_dp.validation import check_int

@@ -703,3 +703,13 @@ def test_blt_with_a_separation_above_1_is_not_warned_about(tmp_path, monkeypatch
         assert unamplified_blt_advice(config) is None
         resolve_privacy(config)
     assert not [w for w in recwarn if issubclass(w.category, UnamplifiedBLTWarning)]
+
+
+def test_the_calibration_constants_stay_importable_from_accounting():
+    """The σ search moved to fed_dp.calibration; each constant fed_dp.accounting defined for it is still importable
+    from there, as the calibration's own value."""
+    import fed_dp.accounting as accounting
+
+    for name in ("MIN_CALIBRATED_NOISE", "CALIBRATION_TOLERANCE", "PLD_DISCRETIZATION", "COARSE_PLD_DISCRETIZATION",
+                 "COARSE_CALIBRATION_TOLERANCE", "SPARSE_RDP_ORDERS", "RDP_MODEL_HALF_WIDTH"):
+        assert getattr(accounting, name) is getattr(calibration, name), name
