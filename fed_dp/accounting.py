@@ -91,8 +91,8 @@ def make_accountant(
     (:func:`fed_dp.calibration.new_accountant`).
 
     ``value_discretization_interval`` applies to PLD only and ``orders`` to RDP only (None: dp_accounting's
-    default orders); anything but the defaults is for predicting σ during calibration, never for a
-    reported ε.
+    default orders); a reported ε uses the defaults. The σ search builds its accountants, the coarser ones
+    included, from a mechanism with ``fed_dp.calibration.new_accountant``, not through this function.
     """
     return calibration.new_accountant(config.accountant, neighboring_relation(config),
                                       value_discretization_interval=value_discretization_interval, orders=orders)
