@@ -80,7 +80,7 @@ from fed_dp.round_loop import Aggregate, RoundReplies, run_rounds
 from fed_dp.run_config import OPTIMIZER_DEFAULTS, RUN_DEFAULTS, SERVER_DEFAULTS, RunConfig, resolve_noise_source
 from fed_dp.plan import RunPlan
 from fed_dp.run_setup import describe_run
-from fed_dp.validation import check_seed
+from fed_dp.validation import check_int, check_seed
 
 log = logging.getLogger("fed_dp.server")
 
@@ -311,8 +311,7 @@ class UserLevelDP(Strategy):
                              "the nodes host (user indices 0..N-1); the sampler and the accounting need it")
         if not plan.optimizer.private and not in_simulation():
             raise ValueError("this optimizer is not private (a noiseless baseline); it exists only in simulations")
-        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
-            raise ValueError(f"min_nodes must be an integer >= 1, got {min_nodes!r}")
+        check_int("min_nodes", min_nodes, minimum=1)
         self.plan = plan
         self.privacy, self.optimizer, self.adaptive_clipping = plan.privacy, plan.optimizer, plan.adaptive_clipping
         self.seed, self.training_seed, self.local = plan.seed, plan.training_seed, plan.local

@@ -673,3 +673,11 @@ def test_the_strategy_takes_one_built_plan_or_its_parts_not_both():
     built = UserLevelDP.from_run_config(run, TASK.num_users, environ={})
     assert isinstance(built.plan, RunPlan) and built.plan.privacy.num_users == TASK.num_users
     assert (built.eval_every, built.max_empty_rounds, built.min_nodes, built.noise_source) == (2, 4, 2, "secure")
+
+
+@pytest.mark.parametrize("min_nodes", [0, -1, True, 1.5, "2"])
+def test_min_nodes_must_be_an_integer_of_at_least_one(min_nodes):
+    """min_nodes is the Flower run's own keyword (not part of a plan): checked by the strategy, with the message of
+    the project's other integer arguments."""
+    with pytest.raises(ValueError, match=r"min_nodes must be an integer >= 1, got "):
+        UserLevelDP(PRIVACY, "dp-sgd", min_nodes=min_nodes)
