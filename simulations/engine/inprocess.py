@@ -158,8 +158,11 @@ def train(
                        seed=seed, training_seed=training_seed,
                        noise_source=resolve_noise_source(noise_source, flower_run=False, seeded=seed is not None),
                        checkpoint_dir=checkpoint_dir, eval_every=eval_every, max_empty_rounds=max_empty_rounds)
-    # validated above, resolved once here (σ calibrated for a target ε), then passed on
-    plan = replace(plan, privacy=resolve_privacy(plan.privacy, task.num_users))
+    # validated above, resolved once here (σ calibrated for a target ε), then passed on; under torchrun by rank 0
+    # alone, the process that runs the rounds (the other ranks only train: run_plan does not read their privacy)
+    workers = current_workers()
+    if workers is None or workers.leader:
+        plan = replace(plan, privacy=resolve_privacy(plan.privacy, task.num_users))
     return run_plan(task, plan, client, on_round=on_round, progress=progress, on_phase=on_phase)
 
 
@@ -171,19 +174,22 @@ def run_plan(task: Task, plan: RunPlan, client: ClientSettings = CLIENT_DEFAULTS
     keywords, and what ``fed-dp simulate`` calls with the plan of each optimizer.
 
     The plan's privacy must be resolved (``fed_dp.accounting.resolve_privacy``: :func:`train` does it once, and
-    ``fed-dp simulate`` once for all its optimizers), for this task's population N. Everything else is as
+    ``fed-dp simulate`` once for all its optimizers), for this task's population N; under torchrun on rank 0, which
+    runs the rounds (the other ranks only train and take rank 0's result). Everything else is as
     :func:`train` says."""
     if not isinstance(task, Task):
         raise ValueError(f"run_plan needs a fed_dp.Task, got {type(task).__name__}")
     if not isinstance(plan, RunPlan):
         raise ValueError(f"run_plan needs a fed_dp.plan.RunPlan, got {type(plan).__name__}")
-    privacy = plan.privacy.require_resolved("run_plan")
-    if privacy.num_users != task.num_users:
-        raise ValueError(f"the plan's privacy was resolved for N = {plan.privacy.num_users} users but the task has "
-                         f"{task.num_users}; resolve it with this task's population")
+    workers = current_workers()  # under torchrun: rank 0 runs the loop, every rank trains a share of the cohort
+    privacy = plan.privacy
+    if workers is None or workers.leader:  # the other ranks only train: they never read the privacy
+        privacy = privacy.require_resolved("run_plan")
+        if privacy.num_users != task.num_users:
+            raise ValueError(f"the plan's privacy was resolved for N = {privacy.num_users} users but the task has "
+                             f"{task.num_users}; resolve it with this task's population")
     local = plan.local if plan.local is not None else LocalTraining()
     seed, checkpoint_dir = plan.seed, plan.checkpoint_dir
-    workers = current_workers()  # under torchrun: rank 0 runs the loop, every rank trains a share of the cohort
     with simulation():
         run_seed = _run_seed(seed, plan.training_seed, checkpoint_dir, workers)
         client_seed = derive_seed(run_seed, "local-training")  # independent of the sampler's and the noise's

@@ -402,3 +402,24 @@ def test_train_resolves_the_privacy_configuration_once_and_run_plan_runs_a_resol
         inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=41), optimizer=plan.optimizer))
     with pytest.raises(ValueError, match="run_plan needs a fed_dp.plan.RunPlan, got PrivacyConfig"):
         inprocess.run_plan(task, result.privacy)
+
+
+def test_under_torchrun_only_rank_0_calibrates_the_noise(monkeypatch):
+    """σ is calibrated by the process that runs the rounds: a torchrun rank other than 0 only trains its share of the
+    cohort and takes rank 0's result, so it neither calibrates (it did, on every rank, once train built a plan;
+    before that only rank 0 did) nor needs a resolved plan."""
+    import fed_dp.simulations.engine.inprocess as inprocess
+    from fed_dp.simulations.engine.distributed import Workers
+
+    def no_calibration(*args):
+        raise AssertionError("a rank other than 0 calibrated σ")
+
+    served = []
+    monkeypatch.setattr(inprocess, "current_workers", lambda: Workers(1, 2, torch.device("cpu")))
+    monkeypatch.setattr(inprocess, "share_seed", lambda workers, seed: seed)
+    monkeypatch.setattr(inprocess, "serve_rounds", lambda workers, trainer, params, seed: served.append(seed) or 3)
+    monkeypatch.setattr(inprocess, "_worker_result", lambda workers, model, layout, rounds: ("rank 0's", rounds))
+    monkeypatch.setattr(inprocess, "resolve_privacy", no_calibration)
+    privacy = _privacy(num_users=None, noise_multiplier=None, target_epsilon=8.0, rounds=2)
+    assert train(_task(), privacy, "dp-sgd", LocalTraining(), seed=0, eval_every=0) == ("rank 0's", 3)
+    assert len(served) == 1
