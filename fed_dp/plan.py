@@ -48,7 +48,9 @@ class RunPlan:
         seed: seeds the sampler and the noise (None: OS entropy).
         training_seed: seeds the model's initialization and local training (None: ``seed``).
         noise_source: ``"torch"`` (seeded, reproducible) or ``"secure"`` (AES-CTR from OS entropy), as decided for
-            the engine (``fed_dp.run_config.resolve_noise_source``).
+            the engine (``fed_dp.run_config.resolve_noise_source``). Required: a plan has no default source,
+            because the right one depends on the engine (a Flower run without a server seed needs "secure"; a
+            default "torch" would give such a run a non-cryptographic generator without a word).
         checkpoint_dir: checkpoint folder (None: none).
         eval_every: evaluate round 0, every round t with t % k == 0 and the last (0: never).
         max_empty_rounds: stop after this many rounds in a row that sampled users but counted none.
@@ -60,7 +62,7 @@ class RunPlan:
     adaptive_clipping: AdaptiveClipConfig | None = None
     seed: int | None = None
     training_seed: int | None = None
-    noise_source: str = "torch"
+    noise_source: str
     checkpoint_dir: str | None = SERVER_DEFAULTS.checkpoint_dir
     eval_every: int = RUN_DEFAULTS.eval_every
     max_empty_rounds: int = SERVER_DEFAULTS.max_empty_rounds

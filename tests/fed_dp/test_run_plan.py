@@ -14,7 +14,7 @@ PRIVACY = PrivacyConfig(num_users=100, expected_cohort=10, rounds=4, noise_multi
 
 
 def _plan(**changes) -> RunPlan:
-    return RunPlan(**{"privacy": PRIVACY, "optimizer": make_optimizer("dp-adam"), **changes})
+    return RunPlan(**{"privacy": PRIVACY, "optimizer": make_optimizer("dp-adam"), "noise_source": "torch", **changes})
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -39,6 +39,13 @@ def test_a_plan_may_hold_a_privacy_configuration_that_is_not_resolved_yet():
     """N and σ are filled in once by the engine that runs the plan (the task's population, calibration)."""
     plan = _plan(privacy=PrivacyConfig(expected_cohort=10, rounds=4, target_epsilon=3.0, delta=1e-4))
     assert not plan.privacy.resolved and plan.local is None and plan.noise_source == "torch"
+
+
+def test_a_plan_has_no_default_noise_source():
+    """The source depends on the engine (a Flower run without a server seed: "secure"); a plan built without one
+    must not fall back to torch's generator, which a deployment would then use for its noise."""
+    with pytest.raises(TypeError, match="noise_source"):
+        RunPlan(privacy=PRIVACY, optimizer=make_optimizer("dp-adam"))
 
 
 def test_the_plan_of_a_run_configuration_builds_its_sections_once():

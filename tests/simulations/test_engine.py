@@ -392,14 +392,16 @@ def test_train_resolves_the_privacy_configuration_once_and_run_plan_runs_a_resol
                    LocalTraining(), seed=0, eval_every=0)
     assert len(calls) == 1 and result.privacy.num_users == 40 and result.privacy.target_epsilon is None
     plan = RunPlan(privacy=result.privacy, optimizer=make_optimizer("dp-sgd"), local=LocalTraining(), seed=0,
-                   eval_every=0)
+                   noise_source="torch", eval_every=0)
     again = inprocess.run_plan(task, plan)
     assert len(calls) == 1  # a resolved plan is run as it is
     assert torch.equal(again.params, result.params)  # the same run: the plan holds everything train was told
     with pytest.raises(ValueError, match="run_plan needs a resolved PrivacyConfig, but num_users is not set"):
-        inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=None), optimizer=plan.optimizer))
+        inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=None), optimizer=plan.optimizer,
+                                         noise_source="torch"))
     with pytest.raises(ValueError, match="resolved for N = 41 users but the task has 40"):
-        inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=41), optimizer=plan.optimizer))
+        inprocess.run_plan(task, RunPlan(privacy=result.privacy.replace(num_users=41), optimizer=plan.optimizer,
+                                         noise_source="torch"))
     with pytest.raises(ValueError, match="run_plan needs a fed_dp.plan.RunPlan, got PrivacyConfig"):
         inprocess.run_plan(task, result.privacy)
 
